@@ -1,0 +1,57 @@
+"""Reference attention in plain PyTorch: per request, gather its KV slots and run SDPA.
+
+Runs anywhere (the CPU backend, and the reference the CUDA kernels are tested against).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from srt.layers.attention.base import AttentionBackend
+from srt.model_executor.forward_batch import ForwardBatch
+
+
+class TorchNativeBackend(AttentionBackend):
+    def forward(
+        self,
+        batch: ForwardBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scaling: float,
+    ) -> None:
+        t = q.shape[0]
+        k_cache[batch.out_cache_loc] = k.view(t, self.num_kv_heads, self.head_dim)
+        v_cache[batch.out_cache_loc] = v.view(t, self.num_kv_heads, self.head_dim)
+        q = q.view(t, self.num_heads, self.head_dim)
+        o = out.view(t, self.num_heads, self.head_dim)
+        start = 0
+        for row, prefix, extend in zip(
+            batch.req_pool_indices_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu,
+            strict=True,
+        ):
+            slots = batch.req_to_token[row, : prefix + extend]
+            o[start : start + extend] = attend(
+                q[start : start + extend], k_cache[slots], v_cache[slots], prefix, scaling
+            )
+            start += extend
+        o[batch.num_tokens :] = 0
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scaling: float
+) -> torch.Tensor:
+    """Causal attention of queries at positions prefix.. over keys 0..; q: [E, Hq, D],
+    k, v: [prefix + E, Hkv, D] -> [E, Hq, D]."""
+    e, s = q.shape[0], k.shape[0]
+    query_pos = prefix + torch.arange(e, device=q.device)
+    mask = torch.arange(s, device=q.device)[None, :] <= query_pos[:, None]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return o.transpose(0, 1)

@@ -1,0 +1,84 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
+
+Randomness comes from a counter-based hash of (seed, position, token id), not from a
+generator's state: a seeded request draws the same tokens whatever batch it lands in, on any
+device, and the whole batch samples in a few vectorised ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingBatch:
+    temperatures: torch.Tensor  # [B] float32; 0 = greedy
+    top_ps: torch.Tensor  # [B] float32 in (0, 1]
+    top_ks: torch.Tensor  # [B] int64; >= vocab disables
+    min_ps: torch.Tensor  # [B] float32 in [0, 1)
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64, the position of the token being sampled
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperatures.shape[0]
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    # Integer mixer on 32-bit values held in int64, so no product overflows.
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] uniforms in (0, 1), a pure function of (seed, position, token id)."""
+    row = _hash32((seeds & _MASK32) ^ _hash32((positions & _MASK32) + 0x9E3779B9))
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _hash32(row[:, None] ^ _hash32(ids + 0x632BE5AB)[None, :])
+    return ((h >> 8).float() + 0.5) / float(1 << 24)
+
+
+def filter_probs(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
+    """Zero every token outside the top-k, the top-p nucleus or the min-p floor."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    outside = ranks >= top_ks[:, None]
+    # A token is kept while the mass before it is below top_p (the top token always is).
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    outside |= (mass_before >= top_ps[:, None]) & (top_ps[:, None] < 1.0)
+    outside |= sorted_probs < sorted_probs[:, :1] * min_ps[:, None]
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits: [B, V] float32 -> token ids [B] int64."""
+    greedy = logits.argmax(dim=-1)
+    if bool((batch.temperatures == 0).all()):
+        return greedy
+    temps = torch.where(batch.temperatures > 0, batch.temperatures, 1.0)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    probs = filter_probs(probs, batch.top_ks, batch.top_ps, batch.min_ps)
+    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
+    noise = -torch.log(uniform_noise(batch.seeds, batch.positions, logits.shape[-1]))
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(batch.temperatures > 0, sampled, greedy)
+
+
+def logprobs_of(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_n: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-probabilities (of the model's distribution) of `token_ids`, and the top `top_n`."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(-1, token_ids[:, None]).squeeze(-1)
+    if top_n <= 0:
+        return chosen, None, None
+    top_vals, top_ids = logp.topk(top_n, dim=-1)
+    return chosen, top_vals, top_ids

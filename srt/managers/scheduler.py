@@ -1,0 +1,351 @@
+"""Continuous batching: admit requests, plan prefill and decode steps, apply stop conditions.
+
+Each step is either a prefill batch (new requests, chunked when long, on top of any cached
+prefix) or a decode batch (one token for every running request). Admission reserves KV for a
+request's whole future (prompt plus max_new_tokens), so decoding never runs out of slots; a
+request that does not fit waits in the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from srt.managers.io_struct import BatchPlan, BatchResult, GenerateReq, TokenOutput
+from srt.managers.kv_allocator import RequestRowPool, TokenSlotAllocator
+from srt.managers.prefix_cache import PrefixCache
+from srt.model_executor.forward_batch import ForwardMode
+from srt.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    row: int = -1  # request-to-token table row, -1 while waiting
+    slots: np.ndarray = field(default_factory=lambda: _EMPTY)  # KV slots of tokens [0, kv_len)
+    kv_len: int = 0
+    table_len: int = 0  # entries of its row the runner has been sent
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    cache_node: Any = None  # prefix-cache node locked while the request runs
+    finished_reason: str | None = None
+    matched_stop: int | str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.kv_len >= len(self.input_ids)
+
+    @property
+    def future_need(self) -> int:
+        """KV slots this request may still allocate."""
+        return len(self.input_ids) + self.params.max_new_tokens - len(self.slots)
+
+
+def validate_request(
+    input_ids: list[int], params: SamplingParams, vocab_size: int, context_length: int,
+    kv_capacity: int,
+) -> None:
+    """Raise ValueError for a request that can never be served."""
+    if not input_ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in input_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"invalid token id {bad[0]!r}: ids must be in [0, {vocab_size})")
+    if len(input_ids) >= context_length:
+        raise ValueError(
+            f"the prompt has {len(input_ids)} tokens; the context length is {context_length}"
+        )
+    if len(input_ids) + min(params.max_new_tokens, context_length) > kv_capacity:
+        raise ValueError(
+            f"the request needs {len(input_ids) + params.max_new_tokens} KV slots; "
+            f"the KV cache holds {kv_capacity}"
+        )
+
+
+class Scheduler:
+    def __init__(
+        self,
+        args: ServerArgs,
+        num_slots: int,
+        context_length: int,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        decode_tail: Callable[[list[int]], str],
+    ) -> None:
+        self.args = args
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
+        self.decode_tail = decode_tail
+        self.allocator = TokenSlotAllocator(num_slots)
+        self.rows = RequestRowPool(args.max_running_requests)
+        self.prefix_cache = PrefixCache(self.allocator) if args.enable_prefix_caching else None
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # the request whose prompt is half prefilled
+        self.reqs: dict[str, Req] = {}
+        self.rng = random.Random(args.seed)
+        self.step_count = 0
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
+                      "generated_tokens": 0, "cached_tokens": 0}
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, req: GenerateReq) -> None:
+        """Queue a request; ValueError if it can never be served."""
+        params = req.sampling_params
+        validate_request(req.input_ids, params, self.vocab_size, self.context_length,
+                         self.allocator.capacity)
+        if req.rid in self.reqs:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        params.max_new_tokens = min(params.max_new_tokens,
+                                    self.context_length - len(req.input_ids))
+        seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        r = Req(req.rid, list(req.input_ids), params, seed, req.stream)
+        self.reqs[r.rid] = r
+        self.waiting.append(r)
+
+    def abort(self, rid: str) -> TokenOutput | None:
+        req = self.reqs.get(rid)
+        if req is None:
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.finished_reason = "abort"
+        self._release(req)
+        return self._output(req, [])
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; only when no request is in flight."""
+        if self.reqs or self.prefix_cache is None:
+            return not self.reqs
+        self.prefix_cache.reset()
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[BatchPlan, list[tuple[Req, int]]] | None:
+        """Choose the next batch: prefill if any request can be admitted, else decode."""
+        items = self._schedule_prefill()
+        mode = ForwardMode.EXTEND
+        if not items:
+            items = [(r, 1) for r in self.running]
+            mode = ForwardMode.DECODE
+        if not items:
+            return None
+        self.step_count += 1
+        return self._build_plan(mode, items), items
+
+    def process_result(
+        self, items: list[tuple[Req, int]], result: BatchResult
+    ) -> list[TokenOutput]:
+        outputs = []
+        decode = all(r.prompt_done for r, _ in items)
+        self.stats["decode_steps" if decode else "prefill_steps"] += 1
+        for i, (req, extend) in enumerate(items):
+            if req.finished_reason is not None:  # aborted while the step ran
+                continue
+            req.kv_len += extend
+            if not req.prompt_done:
+                continue
+            if req is self.chunked:
+                self.chunked = None
+            new_ids: list[int] = []
+            if req.params.max_new_tokens == 0:
+                req.finished_reason = "length"
+            else:
+                token = int(result.next_token_ids[i])
+                new_ids.append(token)
+                req.output_ids.append(token)
+                self.stats["generated_tokens"] += 1
+                if result.logprobs is not None and req.params.logprobs:
+                    self._record_logprobs(req, result, i)
+                self._check_finished(req, token)
+            if req.finished_reason is not None:
+                self._release(req)
+            elif req not in self.running:
+                self.running.append(req)
+            outputs.append(self._output(req, new_ids))
+        return outputs
+
+    def step(self, forward: Callable[[BatchPlan], BatchResult]) -> list[TokenOutput]:
+        """Schedule, run `forward` on the plan, and process its result."""
+        scheduled = self.schedule()
+        if scheduled is None:
+            return []
+        plan, items = scheduled
+        return self.process_result(items, forward(plan))
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _reserved(self) -> int:
+        active = self.running + ([self.chunked] if self.chunked else [])
+        return sum(r.future_need for r in active)
+
+    def _free_slots(self) -> int:
+        evictable = self.prefix_cache.evictable_size if self.prefix_cache else 0
+        return self.allocator.available + evictable - self._reserved()
+
+    def _schedule_prefill(self) -> list[tuple[Req, int]]:
+        budget = self.args.max_prefill_tokens
+        items: list[tuple[Req, int]] = []
+        if self.chunked is not None:
+            extend = min(len(self.chunked.input_ids) - self.chunked.kv_len,
+                         self.args.chunked_prefill_size, budget)
+            items.append((self.chunked, extend))
+            budget -= extend
+        while (self.waiting and budget > 0 and self.chunked is None
+               and len(self.running) + len(items) < self.args.max_running_requests
+               and self.rows.available):
+            req = self.waiting[0]
+            if self.prefix_cache is not None:
+                self.prefix_cache.attach(req)
+            if self._free_slots() < req.future_need:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.detach(req)
+                break
+            self.waiting.popleft()
+            req.row = self.rows.alloc()
+            remaining = len(req.input_ids) - req.kv_len
+            extend = min(remaining, self.args.chunked_prefill_size, budget)
+            items.append((req, extend))
+            budget -= extend
+            self.stats["prompt_tokens"] += len(req.input_ids)
+            self.stats["cached_tokens"] += req.cached_tokens
+            if extend < remaining:
+                self.chunked = req
+        return items
+
+    def _alloc(self, n: int) -> np.ndarray:
+        if self.allocator.available < n and self.prefix_cache is not None:
+            self.prefix_cache.evict(n - self.allocator.available)
+        return self.allocator.alloc(n)
+
+    def _build_plan(self, mode: ForwardMode, items: list[tuple[Req, int]]) -> BatchPlan:
+        ids, positions, locs, rows, cols, slots = [], [], [], [], [], []
+        for req, extend in items:
+            new = self._alloc(extend)
+            start, end = req.kv_len, req.kv_len + extend
+            req.slots = np.concatenate([req.slots, new])
+            tokens = req.input_ids[start:end] if not req.prompt_done else req.output_ids[-1:]
+            ids.append(np.asarray(tokens, np.int32))
+            positions.append(np.arange(start, end, dtype=np.int32))
+            locs.append(new)
+            # The runner's table row learns every slot it lacks (a prefix hit's too).
+            rows.append(np.full(end - req.table_len, req.row, np.int32))
+            cols.append(np.arange(req.table_len, end, dtype=np.int32))
+            slots.append(req.slots[req.table_len:end])
+            req.table_len = end
+        params = [r.params for r, _ in items]
+        return BatchPlan(
+            forward_mode=int(mode),
+            input_ids=np.concatenate(ids),
+            positions=np.concatenate(positions),
+            out_cache_loc=np.concatenate(locs),
+            req_pool_indices=np.array([r.row for r, _ in items], np.int32),
+            prefix_lens=np.array([r.kv_len for r, _ in items], np.int32),
+            extend_lens=np.array([e for _, e in items], np.int32),
+            table_rows=np.concatenate(rows),
+            table_cols=np.concatenate(cols),
+            table_slots=np.concatenate(slots),
+            temperatures=np.array([p.temperature for p in params], np.float32),
+            top_ps=np.array([p.top_p for p in params], np.float32),
+            top_ks=np.array([p.top_k if p.top_k > 0 else self.vocab_size for p in params],
+                            np.int64),
+            min_ps=np.array([p.min_p for p in params], np.float32),
+            seeds=np.array([r.seed for r, _ in items], np.int64),
+            return_logprob=any(p.logprobs for p in params),
+            top_logprobs_num=max(p.top_logprobs_num for p in params),
+            step=self.step_count,
+        )
+
+    def _record_logprobs(self, req: Req, result: BatchResult, i: int) -> None:
+        req.logprobs.append(float(result.logprobs[i]))
+        n = req.params.top_logprobs_num
+        if n and result.top_logprob_ids is not None:
+            req.top_logprobs.append([
+                (int(t), float(v))
+                for t, v in zip(result.top_logprob_ids[i][:n], result.top_logprob_vals[i][:n],
+                                strict=True)
+            ])
+
+    def _check_finished(self, req: Req, token: int) -> None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            req.finished_reason, req.matched_stop = "stop", token
+        elif p.stop:
+            # Enough trailing tokens to hold the longest stop string (a token is >= 1 byte).
+            tail = self.decode_tail(req.output_ids[-(max(map(len, p.stop)) + 8):])
+            for s in p.stop:
+                if s in tail:
+                    req.finished_reason, req.matched_stop = "stop", s
+                    return
+        if req.finished_reason is None and len(req.output_ids) >= p.max_new_tokens:
+            req.finished_reason = "length"
+
+    def _release(self, req: Req) -> None:
+        """Give back a finished or aborted request's KV slots (to the prefix cache if on)."""
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+        if req.row >= 0:
+            if self.prefix_cache is not None:
+                # KV holds the prompt and every output token but the last.
+                tokens = (req.input_ids + req.output_ids)[: len(req.slots)]
+                computed = min(req.kv_len, len(req.slots))
+                self.prefix_cache.release(req, tokens[:computed], req.slots[:computed])
+                self.allocator.free(req.slots[computed:])
+            else:
+                self.allocator.free(req.slots)
+            self.rows.free(req.row)
+        req.slots, req.row, req.table_len = _EMPTY, -1, 0
+        self.reqs.pop(req.rid, None)
+
+    def _output(self, req: Req, new_ids: list[int]) -> TokenOutput:
+        return TokenOutput(
+            rid=req.rid,
+            new_token_ids=new_ids,
+            finished_reason=req.finished_reason,
+            matched_stop=req.matched_stop,
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            logprobs=req.logprobs[-len(new_ids):] if new_ids and req.logprobs else [],
+            top_logprobs=req.top_logprobs[-len(new_ids):] if new_ids and req.top_logprobs
+            else [],
+        )
+
+    def info(self) -> dict[str, Any]:
+        used = self.allocator.capacity - self.allocator.available
+        return {
+            "running_requests": len(self.running) + (1 if self.chunked else 0),
+            "queued_requests": len(self.waiting),
+            "kv_slots_total": self.allocator.capacity,
+            "kv_slots_free": self.allocator.available,
+            "kv_slots_used": used,
+            "kv_slots_cached": self.prefix_cache.size if self.prefix_cache else 0,
+            "kv_usage": used / max(self.allocator.capacity, 1),
+            **self.stats,
+        }

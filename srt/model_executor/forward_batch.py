@@ -1,0 +1,68 @@
+"""The per-step batch on the device, and the context that lets custom ops read it.
+
+The model's forward takes only `(input_ids, positions)`, so it traces with one dynamic token
+dimension; everything else a step needs (KV slots, sequence lengths, the attention backend)
+is read by the attention op from the current `ForwardBatch`, set around each forward.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from srt.layers.attention.base import AttentionBackend
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 0  # prefill, or prefill on top of a cached prefix (chunked prefill, prefix hits)
+    DECODE = 1  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    batch_size: int  # real requests
+    num_tokens: int  # real tokens; the token tensors may be padded beyond it
+    input_ids: torch.Tensor  # [T] (padded)
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T] KV slot of each token; padding writes slot 0
+    req_pool_indices: torch.Tensor  # [B] row of each request in req_to_token
+    seq_lens: torch.Tensor  # [B] prefix + extend
+    prefix_lens: torch.Tensor  # [B] tokens already in the KV cache
+    extend_lens: torch.Tensor  # [B] tokens computed this step
+    extend_start_loc: torch.Tensor  # [B] offset of each request's first token
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    req_pool_indices_cpu: list[int]
+    req_to_token: torch.Tensor  # [max_requests, context_len] token slot table
+    attn_backend: AttentionBackend
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+_current: ForwardBatch | None = None
+
+
+@contextmanager
+def forward_context(batch: ForwardBatch) -> Iterator[ForwardBatch]:
+    global _current
+    previous, _current = _current, batch
+    try:
+        yield batch
+    finally:
+        _current = previous
+
+
+def get_forward_batch() -> ForwardBatch:
+    if _current is None:
+        raise RuntimeError("attention ran outside a forward_context")
+    return _current

@@ -1,0 +1,125 @@
+"""Build a model and fill its weights from a Hugging Face directory, or randomly (dummy)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from srt.layers.linear import LinearShapeError
+from srt.model_config import ModelConfig, ModelLoadError
+from srt.models.registry import get_model_class
+
+# Checkpoint tensors that carry no parameter of ours.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(
+    config: ModelConfig, device: torch.device, load_format: str = "auto", seed: int = 0
+) -> nn.Module:
+    model_cls = get_model_class(config.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    elif load_format == "auto":
+        load_weights(model, config.path)
+    else:
+        raise ValueError(f"--load-format: unknown format {load_format!r}; use auto or dummy")
+    return model.eval()
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights without reading any file: N(0, 0.02) matrices, unit norms, zero biases."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            values = torch.ones(param.shape)
+        elif name.endswith("bias"):
+            values = torch.zeros(param.shape)
+        else:
+            values = torch.randn(param.shape, generator=gen) * 0.02
+        param.data.copy_(values)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index} is malformed: {e}") from e
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{index} names {f.name}, which is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weight files in {path}")
+    return files
+
+
+def iter_checkpoint(path: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    yield file, name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read weights from {file}: {e}") from e
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules", {})
+    loaded: set[str] = set()
+    for file, name, tensor in iter_checkpoint(path):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        target, shard = name, 0
+        for ckpt_name, (ours, shard_id) in packed.items():
+            if f".{ckpt_name}." in name:
+                target, shard = name.replace(f".{ckpt_name}.", f".{ours}."), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            raise ModelLoadError(f"{file.name}: tensor {name} has no matching model parameter")
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is None:
+                if param.shape != tensor.shape:
+                    raise LinearShapeError(
+                        f"has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor, shard)
+        except LinearShapeError as e:
+            raise ModelLoadError(f"{file.name}: tensor {name} {e} (from config.json)") from e
+        loaded.add(f"{target}#{shard}")
+    expected = _expected_shards(model, params)
+    missing = sorted(expected - loaded)
+    if missing:
+        names = ", ".join(m.split("#")[0] for m in missing[:8])
+        raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensor(s): {names}")
+
+
+def _expected_shards(model: nn.Module, params: dict[str, nn.Parameter]) -> set[str]:
+    expected = set()
+    for name in params:
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        shards = len(getattr(owner, "output_sizes", [0]))
+        expected.update(f"{name}#{i}" for i in range(shards))
+    return expected

@@ -1,0 +1,155 @@
+"""The device side: weights, KV cache, attention backend, one forward step per batch plan."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from srt.layers.attention.base import create_attention_backend
+from srt.layers.sampler import SamplingBatch, logprobs_of, sample
+from srt.managers.io_struct import BatchPlan, BatchResult
+from srt.model_config import ModelConfig
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.graph_runner import EagerRunner
+from srt.model_executor.kv_cache import KVCache, kv_bytes_per_token
+from srt.model_executor.model_loader import load_model
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_SLOTS = 65536
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, config: ModelConfig) -> None:
+        self.args = args
+        self.config = config
+        self.device = torch.device(args.resolved_device())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+        torch.manual_seed(args.seed)
+
+        start = time.perf_counter()
+        self.model = load_model(config, self.device, args.load_format, args.seed)
+        self.load_s = time.perf_counter() - start
+        logger.info("loaded %s (%s) in %.2f s", config.architecture, config.dtype, self.load_s)
+
+        self.num_slots = self._kv_slots()
+        self.kv_cache = KVCache(config, self.num_slots, self.device)
+        for layer, k, v in zip(
+            self.model.attention_layers(), self.kv_cache.k, self.kv_cache.v, strict=True
+        ):
+            layer.bind_kv_cache(k, v)
+        self.context_length = min(config.context_length, self.num_slots - 1)
+        self.req_to_token = torch.zeros(
+            (args.max_running_requests, self.context_length), dtype=torch.int32,
+            device=self.device,
+        )
+        self.attention_backend_name = args.attention_backend or (
+            "triton" if self.device.type == "cuda" else "torch_native"
+        )
+        self.attn_backend = create_attention_backend(
+            self.attention_backend_name, config.num_heads, config.num_kv_heads, config.head_dim
+        )
+        self.phase_runners = {
+            ForwardMode.EXTEND: EagerRunner(self.model),
+            ForwardMode.DECODE: EagerRunner(self.model),
+        }
+        logger.info(
+            "KV cache: %d slots, %.1f MiB; attention backend %s",
+            self.num_slots, self.kv_cache.nbytes / 2**20, self.attention_backend_name,
+        )
+
+    def _kv_slots(self) -> int:
+        if self.args.max_total_tokens:
+            return self.args.max_total_tokens + 1
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_SLOTS + 1
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * (self.args.mem_fraction_static - self.args.cuda_graph_mem_fraction)
+        budget -= total - free
+        slots = int(budget // kv_bytes_per_token(self.config))
+        if slots < 2:
+            raise RuntimeError(
+                "no GPU memory left for the KV cache: raise --mem-fraction-static "
+                "or set --max-total-tokens"
+            )
+        return slots
+
+    def make_forward_batch(self, plan: BatchPlan) -> ForwardBatch:
+        """Copy a plan to the device and apply its request-to-token table writes."""
+
+        def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device, dtype=dtype, non_blocking=True)
+
+        if len(plan.table_rows):
+            self.req_to_token[dev(plan.table_rows), dev(plan.table_cols)] = dev(
+                plan.table_slots, torch.int32
+            )
+        extend_lens = plan.extend_lens.astype(np.int64)
+        prefix_lens = plan.prefix_lens.astype(np.int64)
+        extend_start = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).astype(np.int64)
+        return ForwardBatch(
+            mode=ForwardMode(plan.forward_mode),
+            batch_size=plan.batch_size,
+            num_tokens=plan.num_tokens,
+            input_ids=dev(plan.input_ids),
+            positions=dev(plan.positions),
+            out_cache_loc=dev(plan.out_cache_loc),
+            req_pool_indices=dev(plan.req_pool_indices),
+            seq_lens=dev(prefix_lens + extend_lens, torch.int32),
+            prefix_lens=dev(prefix_lens, torch.int32),
+            extend_lens=dev(extend_lens, torch.int32),
+            extend_start_loc=dev(extend_start, torch.int32),
+            seq_lens_cpu=(prefix_lens + extend_lens).tolist(),
+            prefix_lens_cpu=prefix_lens.tolist(),
+            extend_lens_cpu=extend_lens.tolist(),
+            req_pool_indices_cpu=plan.req_pool_indices.tolist(),
+            req_to_token=self.req_to_token,
+            attn_backend=self.attn_backend,
+        )
+
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, V] of each request's last token, through the phase's runner."""
+        return self.phase_runners[batch.mode].run(batch)
+
+    @torch.inference_mode()
+    def forward(self, plan: BatchPlan) -> BatchResult:
+        batch = self.make_forward_batch(plan)
+        logits = self.forward_logits(batch)
+        sampling = SamplingBatch(
+            temperatures=torch.from_numpy(plan.temperatures).to(self.device),
+            top_ps=torch.from_numpy(plan.top_ps).to(self.device),
+            top_ks=torch.from_numpy(plan.top_ks).to(self.device),
+            min_ps=torch.from_numpy(plan.min_ps).to(self.device),
+            seeds=torch.from_numpy(plan.seeds).to(self.device),
+            positions=batch.seq_lens.long(),
+        )
+        next_ids = sample(logits, sampling)
+        result = BatchResult(next_token_ids=next_ids.cpu().numpy(), step=plan.step)
+        if plan.return_logprob:
+            chosen, top_vals, top_ids = logprobs_of(logits, next_ids, plan.top_logprobs_num)
+            result.logprobs = chosen.cpu().numpy()
+            if top_vals is not None:
+                result.top_logprob_vals = top_vals.cpu().numpy()
+                result.top_logprob_ids = top_ids.cpu().numpy()
+        return result
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "device": str(self.device),
+            "dtype": str(self.config.dtype).removeprefix("torch."),
+            "attention_backend": self.attention_backend_name,
+            "kv_slots": self.num_slots - 1,
+            "kv_cache_bytes": self.kv_cache.nbytes,
+            "context_length": self.context_length,
+            "load_s": round(self.load_s, 3),
+            "phases": {
+                "prefill": self.phase_runners[ForwardMode.EXTEND].info(),
+                "decode": self.phase_runners[ForwardMode.DECODE].info(),
+            },
+        }

@@ -1,0 +1,134 @@
+"""Llama (2, 3, 3.x; also the Mistral layout). Qwen2 and Qwen3 reuse it with two switches.
+
+`forward(input_ids, positions)` is the part that is traced and compiled: its only inputs
+share one token dimension. `compute_logits` maps selected hidden states to logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from srt.layers.activation import silu_and_mul
+from srt.layers.attention.layer import Attention
+from srt.layers.embedding import LMHead, VocabEmbedding
+from srt.layers.layernorm import RMSNorm
+from srt.layers.linear import Linear
+from srt.layers.rotary_embedding import RotaryEmbedding
+from srt.model_config import ModelConfig
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = Linear(intermediate_size, [hidden_size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, [config.hidden_size])
+        self.rotary = rotary
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(
+            config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            # Qwen3 normalises each head before the rotation.
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
+            k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(
+            config.head_dim,
+            max(config.max_position_embeddings, config.context_length),
+            config.rope_theta,
+            config.rope_scaling,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm)
+            for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+    # checkpoint name -> (our packed parameter, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.qkv_bias or config.attention_bias, self.qk_norm)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,136 @@
+"""One options dataclass for the server flags and the Engine keyword arguments.
+
+Every field is a flag: `--cuda-graph-backend-decode` on the command line is
+`cuda_graph_backend_decode=` for `Engine(...)`. Help text lives in each field's metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str, **kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass
+class ServerArgs:
+    # Model
+    model_path: str | None = _opt(
+        None, "Local Hugging Face model directory (default: the built-in tiny model)."
+    )
+    tokenizer_path: str | None = _opt(None, "Tokenizer directory (default: model_path).")
+    served_model_name: str | None = _opt(None, "Model name reported by the API.")
+    load_format: str = _opt(
+        "auto", "auto: read safetensors; dummy: random weights from --seed.",
+        choices=["auto", "dummy"],
+    )
+    dtype: str = _opt(
+        "auto", "Weight and activation dtype (auto: the config's torch_dtype).",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    device: str = _opt("auto", "cpu, cuda or auto (cuda when available).")
+    seed: int = _opt(0, "Seed for dummy weights and unseeded sampling.")
+    context_length: int | None = _opt(None, "Max tokens per request (default: the config's).")
+
+    # Memory and batching
+    max_total_tokens: int | None = _opt(
+        None, "KV cache slots (default: sized from --mem-fraction-static on CUDA, 65536 on CPU)."
+    )
+    mem_fraction_static: float = _opt(
+        0.85, "Fraction of free GPU memory for weights, KV cache and graphs."
+    )
+    max_running_requests: int = _opt(256, "Max requests decoding at once.")
+    chunked_prefill_size: int = _opt(2048, "Max prompt tokens of one request per prefill step.")
+    max_prefill_tokens: int = _opt(8192, "Max tokens in one prefill batch.")
+    enable_prefix_caching: bool = _opt(True, "Reuse KV of shared prompt prefixes.")
+    attention_backend: str | None = _opt(
+        None, "torch_native, triton or flashinfer (default: triton on CUDA, torch_native on CPU)."
+    )
+
+    # Graphs and compilation
+    cuda_graph_backend_decode: str | None = _opt(
+        None, "Decode graph backend: disabled, full, breakable, tc_piecewise."
+    )
+    cuda_graph_backend_prefill: str | None = _opt(
+        None, "Prefill graph backend: disabled, full, breakable, tc_piecewise."
+    )
+    cuda_graph_tc_compiler: str | None = _opt(
+        None, "Compiler for tc_piecewise pieces: eager or inductor."
+    )
+    cuda_graph_bs_decode: list[int] | None = _opt(None, "Decode buckets (batch sizes).")
+    cuda_graph_bs_prefill: list[int] | None = _opt(None, "Prefill buckets (token counts).")
+    cuda_graph_max_bs_decode: int | None = _opt(None, "Largest decode bucket.")
+    cuda_graph_max_bs_prefill: int | None = _opt(None, "Largest prefill bucket.")
+    cuda_graph_config: str | None = _opt(
+        None, "JSON with per-phase settings; wins over the other graph flags."
+    )
+    cuda_graph_capture: str = _opt(
+        "lazy", "When buckets are captured: lazy (first hit), upfront, manifest.",
+        choices=["lazy", "upfront", "manifest"],
+    )
+    cuda_graph_mem_fraction: float = _opt(
+        0.05, "Fraction of GPU memory reserved for CUDA graphs when sizing the KV cache."
+    )
+    disable_cuda_graph: bool = _opt(False, "Run every phase eagerly.")
+    enable_torch_compile: bool = _opt(False, "Compile the whole forward per bucket (full).")
+    torch_compile_max_bs: int = _opt(32, "Largest bucket compiled by --enable-torch-compile.")
+    compile_cache_dir: str | None = _opt(None, "Compile cache root (default: ~/.cache/srt).")
+    keep_shape_guards: bool = _opt(False, "Debug: keep Dynamo shape guards after tracing.")
+
+    # Server
+    host: str = _opt("127.0.0.1", "HTTP host.")
+    port: int = _opt(30000, "HTTP port.")
+    api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY' (not on /health).")
+    log_level: str = _opt("info", "Logging level.")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            help_text = meta.pop("help", None)
+            hint = hints[f.name]
+            if hint is bool:
+                parser.add_argument(flag, action="store_true", help=help_text)
+                continue
+            base, is_list = _unwrap(hint)
+            kwargs: dict[str, Any] = {"type": base, "default": f.default, "help": help_text}
+            if is_list:
+                kwargs["nargs"] = "+"
+            parser.add_argument(flag, **kwargs, **meta)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+
+def _unwrap(hint: Any) -> tuple[type, bool]:
+    """Return (element type, is_list) for `T`, `T | None`, `list[T] | None`."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = args[0]
+    if typing.get_origin(hint) is list:
+        return typing.get_args(hint)[0], True
+    return hint, False
