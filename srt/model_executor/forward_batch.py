@@ -7,6 +7,7 @@ is read by the attention op from the current `ForwardBatch`, set around each for
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,3 +67,22 @@ def get_forward_batch() -> ForwardBatch:
     if _current is None:
         raise RuntimeError("attention ran outside a forward_context")
     return _current
+
+
+def pad_tokens(batch: ForwardBatch, padded_tokens: int) -> ForwardBatch:
+    """A view of `batch` whose token tensors are padded to `padded_tokens`.
+
+    Padded tokens take id 0, position 0 and KV slot 0 (the dummy slot); the attention op
+    attends only the real `num_tokens` and zeroes the tail, so real outputs are unchanged.
+    """
+    extra = padded_tokens - batch.padded_tokens
+    if extra <= 0:
+        return batch
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(extra)])
+
+    return dataclasses.replace(
+        batch, input_ids=pad(batch.input_ids), positions=pad(batch.positions),
+        out_cache_loc=pad(batch.out_cache_loc),
+    )

@@ -1,0 +1,162 @@
+"""Per-phase graph configuration: which backend each phase uses and its bucket ladder.
+
+Precedence: `--cuda-graph-config` JSON > the convenience flags > defaults. Every invalid
+setting is rejected at startup with a message naming the flag.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from srt.server_args import ServerArgs
+
+
+class Phase(enum.StrEnum):
+    PREFILL = "prefill"  # buckets are token counts
+    DECODE = "decode"  # buckets are batch sizes
+
+
+class Backend(enum.StrEnum):
+    DISABLED = "disabled"
+    FULL = "full"
+    BREAKABLE = "breakable"
+    TC_PIECEWISE = "tc_piecewise"
+
+
+TC_COMPILERS = ("eager", "inductor")
+
+
+def default_decode_ladder() -> list[int]:
+    return [1, 2, 4, 8, 12] + list(range(16, 257, 8))
+
+
+def default_prefill_ladder() -> list[int]:
+    return (list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 513, 32))
+            + list(range(576, 1025, 64)) + list(range(1280, 4097, 256)))
+
+
+class GraphConfigError(ValueError):
+    pass
+
+
+@dataclass
+class PhaseConfig:
+    backend: Backend
+    bs: list[int]  # buckets, increasing, all <= max_bs
+    max_bs: int
+    tc_compiler: str | None = None  # only with tc_piecewise
+
+    def bucket_for(self, n: int) -> int | None:
+        """The smallest bucket holding `n`, or None beyond the largest."""
+        for b in self.bs:
+            if b >= n:
+                return b
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend.value, "bs": self.bs, "max_bs": self.max_bs,
+                "tc_compiler": self.tc_compiler}
+
+
+def _flag(phase: Phase, name: str) -> str:
+    return f"--cuda-graph-{name}-{phase.value}"
+
+
+def _phase_config(
+    phase: Phase, raw: dict[str, Any], device: str, where: Callable[[str], str]
+) -> PhaseConfig:
+    default = "full" if phase is Phase.DECODE and device == "cuda" else "disabled"
+    backend_name = raw.get("backend", default)
+    try:
+        backend = Backend(backend_name)
+    except ValueError:
+        raise GraphConfigError(
+            f"{where('backend')}: unknown backend {backend_name!r}; "
+            f"choose one of {[b.value for b in Backend]}"
+        ) from None
+    ladder = default_decode_ladder() if phase is Phase.DECODE else default_prefill_ladder()
+    explicit = raw.get("bs")
+    bs = list(explicit) if explicit is not None else ladder
+    if not bs:
+        raise GraphConfigError(f"{where('bs')}: the bucket list is empty")
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in bs):
+        raise GraphConfigError(f"{where('bs')}: buckets must be positive integers, got {bs}")
+    if any(b >= c for b, c in zip(bs, bs[1:], strict=False)):
+        raise GraphConfigError(f"{where('bs')}: buckets must be strictly increasing, got {bs}")
+    max_bs = raw.get("max_bs")
+    if max_bs is None:
+        max_bs = bs[-1] if explicit is not None else (256 if phase is Phase.DECODE else 4096)
+    if not isinstance(max_bs, int) or max_bs < 1:
+        raise GraphConfigError(f"{where('max_bs')}: must be a positive integer, got {max_bs!r}")
+    bs = [b for b in bs if b <= max_bs]
+    if not bs:
+        raise GraphConfigError(f"{where('max_bs')}: {max_bs} is below the smallest bucket")
+    tc_compiler = raw.get("tc_compiler")
+    if tc_compiler is not None and backend is not Backend.TC_PIECEWISE:
+        raise GraphConfigError(
+            f"{where('tc_compiler')}: a tc compiler needs backend tc_piecewise, "
+            f"not {backend.value}"
+        )
+    if backend is Backend.TC_PIECEWISE:
+        tc_compiler = tc_compiler or "eager"
+        if tc_compiler not in TC_COMPILERS:
+            raise GraphConfigError(
+                f"{where('tc_compiler')}: unknown compiler {tc_compiler!r}; "
+                f"choose one of {TC_COMPILERS}"
+            )
+    return PhaseConfig(backend, bs, max_bs, tc_compiler)
+
+
+def resolve_graph_config(args: ServerArgs, device: str) -> dict[Phase, PhaseConfig]:
+    """Per-phase configs from the flags. Default: `full` decode on CUDA, else `disabled`."""
+    try:
+        overrides = json.loads(args.cuda_graph_config) if args.cuda_graph_config else {}
+    except json.JSONDecodeError as e:
+        raise GraphConfigError(f"--cuda-graph-config: invalid JSON: {e}") from e
+    if not isinstance(overrides, dict) or set(overrides) - {p.value for p in Phase}:
+        raise GraphConfigError(
+            "--cuda-graph-config: expected an object with keys 'prefill' and/or 'decode'"
+        )
+    configs = {}
+    for phase in Phase:
+        from_json = overrides.get(phase.value, {})
+        if not isinstance(from_json, dict):
+            raise GraphConfigError(f"--cuda-graph-config: '{phase.value}' must be an object")
+        unknown = set(from_json) - {"backend", "bs", "max_bs", "tc_compiler"}
+        if unknown:
+            raise GraphConfigError(
+                f"--cuda-graph-config: unknown key(s) {sorted(unknown)} for '{phase.value}'"
+            )
+        from_flags = {
+            "backend": getattr(args, f"cuda_graph_backend_{phase.value}"),
+            "bs": getattr(args, f"cuda_graph_bs_{phase.value}"),
+            "max_bs": getattr(args, f"cuda_graph_max_bs_{phase.value}"),
+            "tc_compiler": args.cuda_graph_tc_compiler,
+        }
+        if args.disable_cuda_graph:
+            from_flags["backend"] = "disabled"
+        if from_flags["tc_compiler"] is not None and from_flags["backend"] != "tc_piecewise" \
+                and "tc_compiler" not in from_json:
+            # One --cuda-graph-tc-compiler serves whichever phases use tc_piecewise.
+            from_flags["tc_compiler"] = None
+        raw = {k: v for k, v in from_flags.items() if v is not None}
+        raw.update(from_json)
+
+        def where(key: str, phase: Phase = phase, from_json: dict = from_json) -> str:
+            if key in from_json:
+                return f"--cuda-graph-config {phase.value}.{key}"
+            return "--cuda-graph-tc-compiler" if key == "tc_compiler" else _flag(phase, key)
+
+        configs[phase] = _phase_config(phase, raw, device, where)
+    if args.cuda_graph_tc_compiler is not None and not any(
+        c.backend is Backend.TC_PIECEWISE for c in configs.values()
+    ):
+        raise GraphConfigError(
+            "--cuda-graph-tc-compiler: needs --cuda-graph-backend-decode or "
+            "--cuda-graph-backend-prefill tc_piecewise"
+        )
+    return configs
