@@ -1,0 +1,60 @@
+"""Shared pytest setup: the ``gpu`` marker and tiny random-weight model fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch  # only pay for the import when some selected test is gpu-marked
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``make(arch="llama", **kwargs) -> Path``: a tiny checkpoint, built once per argument set.
+
+    kwargs are those of ``srt.tools.make_tiny_model.make_tiny_model``. Tests must not modify the
+    returned directory: it is shared by every test in the session.
+    """
+    from srt.tools.make_tiny_model import make_tiny_model
+
+    built: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **kwargs) -> Path:
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in built:
+            built[key] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **kwargs)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("qwen3")
