@@ -72,11 +72,10 @@ def validate_request(
         raise ValueError(
             f"the prompt has {len(input_ids)} tokens; the context length is {context_length}"
         )
-    if len(input_ids) + min(params.max_new_tokens, context_length) > kv_capacity:
-        raise ValueError(
-            f"the request needs {len(input_ids) + params.max_new_tokens} KV slots; "
-            f"the KV cache holds {kv_capacity}"
-        )
+    # max_new_tokens is clamped to the context length, so that is all the KV it can need.
+    need = min(len(input_ids) + params.max_new_tokens, context_length)
+    if need > kv_capacity:
+        raise ValueError(f"the request needs {need} KV slots; the KV cache holds {kv_capacity}")
 
 
 class Scheduler:

@@ -352,7 +352,8 @@ def make_tiny_model(
 def default_model_dir() -> Path:
     """Return the per-user default tiny llama checkpoint dir, creating it on first use.
 
-    It lives in ``$XDG_CACHE_HOME/srt/tiny-llama-v1`` (default ``~/.cache/srt/tiny-llama-v1``; bump the version when the generator changes). The
+    It lives in ``$XDG_CACHE_HOME/srt/tiny-llama-v1`` (default ``~/.cache/srt/...``; the
+    version is bumped whenever the generator changes, so a stale copy is never served). The
     model is written to a temp dir next to it and renamed into place, so concurrent callers never
     see a half-written checkpoint; the loser of a race simply discards its copy.
     """
