@@ -39,8 +39,8 @@ class Engine:
         self.server_args = ServerArgs.from_kwargs(**kwargs)
         args = self.server_args
         args.model_path = resolve_model_path(args)
-        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.model_config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
+        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.runner = ModelRunner(args, self.model_config)
         self.scheduler = Scheduler(
             args,
@@ -58,17 +58,23 @@ class Engine:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts)."""
+        """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts).
+
+        Each result has `text`, `output_ids` and `meta_info` (finish_reason, matched_stop,
+        prompt_tokens, completion_tokens, cached_tokens; with `logprobs: True` also
+        `output_token_logprobs`, a (logprob, token_id) pair per output token, and with
+        `top_logprobs_num: N` `output_top_logprobs`, N such pairs per output token).
+        """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
-        single = isinstance(prompt, str) or (
-            input_ids is not None and bool(input_ids) and isinstance(input_ids[0], int)
-        )
         if prompt is not None:
+            single = isinstance(prompt, str)
             prompts = [prompt] if single else list(prompt)
+            if not all(isinstance(p, str) for p in prompts):
+                raise ValueError("prompt must be a string or a list of strings")
             ids_list = [self.tokenizer.encode(p) for p in prompts]
         else:
-            ids_list = [list(input_ids)] if single else [list(i) for i in input_ids]
+            ids_list, single = _id_lists(input_ids)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(ids_list):
                 raise ValueError("sampling_params list must match the number of prompts")
@@ -77,8 +83,8 @@ class Engine:
             params_list = [SamplingParams.from_dict(sampling_params) for _ in ids_list]
 
         rids = [uuid.uuid4().hex for _ in ids_list]
-        detoks = {
-            rid: IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop)
+        pending = {
+            rid: _Pending(IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop), p)
             for rid, p in zip(rids, params_list, strict=True)
         }
         results: dict[str, dict[str, Any]] = {}
@@ -87,7 +93,9 @@ class Engine:
                 self.scheduler.add_request(GenerateReq(rid, ids, dataclasses.replace(params)))
             while len(results) < len(rids):
                 for out in self.scheduler.step(self.runner.forward):
-                    self._collect(out, detoks[out.rid], results)
+                    result = pending[out.rid].collect(out)
+                    if result is not None:
+                        results[out.rid] = result
         finally:
             for rid in rids:
                 if rid not in results:
@@ -95,26 +103,8 @@ class Engine:
         outputs = [results[rid] for rid in rids]
         return outputs[0] if single else outputs
 
-    @staticmethod
-    def _collect(out: TokenOutput, detok: IncrementalDetokenizer,
-                 results: dict[str, dict[str, Any]]) -> None:
-        detok.push(out.new_token_ids)
-        if out.finished_reason is None:
-            return
-        detok.finish()
-        results[out.rid] = {
-            "text": detok.text,
-            "output_ids": list(detok.ids),
-            "meta_info": {
-                "finish_reason": out.finished_reason,
-                "matched_stop": out.matched_stop,
-                "prompt_tokens": out.prompt_tokens,
-                "completion_tokens": out.completion_tokens,
-                "cached_tokens": out.cached_tokens,
-            },
-        }
-
     def get_server_info(self) -> dict[str, Any]:
+        runner = self.runner.info()
         return {
             "server_args": dataclasses.asdict(self.server_args),
             "model": {
@@ -124,7 +114,8 @@ class Engine:
                 "vocab_size": self.model_config.vocab_size,
             },
             "startup_s": round(self.startup_s, 3),
-            "runner": self.runner.info(),
+            "runner": runner,
+            "graphs": runner["graphs"],
             "scheduler": self.scheduler.info(),
         }
 
@@ -142,3 +133,47 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _id_lists(input_ids: Any) -> tuple[list[list[int]], bool]:
+    """(one id list per prompt, whether a single prompt was given) for `input_ids`."""
+    if not isinstance(input_ids, list | tuple):
+        raise ValueError("input_ids must be a list of token ids or a list of such lists")
+    nested = [isinstance(i, list | tuple) for i in input_ids]
+    if input_ids and all(nested):
+        return [list(i) for i in input_ids], False
+    if any(nested):
+        raise ValueError("input_ids mixes token ids and lists of token ids")
+    return [list(input_ids)], True
+
+
+class _Pending:
+    """One request of a `generate` call: its text so far and the logprobs it asked for."""
+
+    def __init__(self, detok: IncrementalDetokenizer, params: SamplingParams) -> None:
+        self.detok = detok
+        self.params = params
+        self.token_logprobs: list[tuple[float, int]] = []
+        self.top_logprobs: list[list[tuple[float, int]]] = []
+
+    def collect(self, out: TokenOutput) -> dict[str, Any] | None:
+        """Take one step's output; the finished result once the request is done."""
+        self.detok.push(out.new_token_ids)
+        if self.params.logprobs:
+            self.token_logprobs += zip(out.logprobs, out.new_token_ids, strict=True)
+            self.top_logprobs += [[(v, t) for t, v in top] for top in out.top_logprobs]
+        if out.finished_reason is None:
+            return None
+        self.detok.finish()
+        meta = {
+            "finish_reason": out.finished_reason,
+            "matched_stop": out.matched_stop,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens,
+        }
+        if self.params.logprobs:
+            meta["output_token_logprobs"] = self.token_logprobs
+        if self.params.top_logprobs_num:
+            meta["output_top_logprobs"] = self.top_logprobs
+        return {"text": self.detok.text, "output_ids": list(self.detok.ids), "meta_info": meta}

@@ -53,8 +53,8 @@ class SamplingParams:
               f"top_k must be -1 or >= 1, got {self.top_k!r}")
         check(_is_number(self.min_p) and 0 <= self.min_p < 1,
               f"min_p must be in [0, 1), got {self.min_p!r}")
-        check(self.seed is None or _is_int(self.seed),
-              f"seed must be an integer, got {self.seed!r}")
+        check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63),
+              f"seed must be a 64-bit integer, got {self.seed!r}")
         check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
               "stop must be a non-empty string or a list of them")
         check(isinstance(self.stop_token_ids, list)
@@ -62,6 +62,8 @@ class SamplingParams:
               "stop_token_ids must be a list of integers")
         check(_is_int(self.top_logprobs_num) and 0 <= self.top_logprobs_num <= 20,
               f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num!r}")
+        check(self.logprobs or not self.top_logprobs_num,
+              "top_logprobs_num needs logprobs: true")
 
     @property
     def greedy(self) -> bool:

@@ -88,6 +88,9 @@ class Scheduler:
         eos_token_ids: list[int],
         decode_tail: Callable[[list[int]], str],
     ) -> None:
+        for option in ("chunked_prefill_size", "max_prefill_tokens", "max_running_requests"):
+            if getattr(args, option) < 1:
+                raise ValueError(f"{option} must be >= 1, got {getattr(args, option)}")
         self.args = args
         self.context_length = context_length
         self.vocab_size = vocab_size
@@ -214,13 +217,14 @@ class Scheduler:
                          self.args.chunked_prefill_size, budget)
             items.append((self.chunked, extend))
             budget -= extend
+        admitted_need = 0  # future KV of requests admitted below (not yet in `running`)
         while (self.waiting and budget > 0 and self.chunked is None
                and len(self.running) + len(items) < self.args.max_running_requests
                and self.rows.available):
             req = self.waiting[0]
             if self.prefix_cache is not None:
                 self.prefix_cache.attach(req)
-            if self._free_slots() < req.future_need:
+            if self._free_slots() - admitted_need < req.future_need:
                 if self.prefix_cache is not None:
                     self.prefix_cache.detach(req)
                 break
@@ -230,6 +234,7 @@ class Scheduler:
             extend = min(remaining, self.args.chunked_prefill_size, budget)
             items.append((req, extend))
             budget -= extend
+            admitted_need += req.future_need
             self.stats["prompt_tokens"] += len(req.input_ids)
             self.stats["cached_tokens"] += req.cached_tokens
             if extend < remaining:

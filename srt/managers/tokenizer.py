@@ -33,6 +33,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.text = ""  # decoded so far
         self.sent = 0  # characters of `text` already returned
+        self.stopped = False  # a stop string matched: the text ends before it, for good
         self._prefix_offset = 0
         self._read_offset = 0
 
@@ -41,6 +42,8 @@ class IncrementalDetokenizer:
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
+        if self.stopped:
+            return ""
         # Decode a short window: the tokens before the read offset give context for spacing.
         prefix = self._decode(self.ids[self._prefix_offset:self._read_offset])
         new = self._decode(self.ids[self._prefix_offset:])
@@ -51,6 +54,8 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """The rest of the text, cut before the first stop string."""
+        if self.stopped:
+            return ""
         tail = self._decode(self.ids[self._prefix_offset:])
         prefix = self._decode(self.ids[self._prefix_offset:self._read_offset])
         self.text += tail[len(prefix):]
@@ -63,6 +68,7 @@ class IncrementalDetokenizer:
         if cut >= 0:
             self.text = self.text[:cut]
             end = cut
+            self.stopped = True
         elif not final:
             end -= self._stop_prefix_len()
         end = max(end, self.sent)

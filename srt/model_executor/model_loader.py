@@ -21,7 +21,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def load_model(
     config: ModelConfig, device: torch.device, load_format: str = "auto", seed: int = 0
 ) -> nn.Module:
-    model_cls = get_model_class(config.architecture)
+    try:
+        model_cls = get_model_class(config.architecture)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{config.path / 'config.json'}: {e}") from e
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
@@ -112,8 +115,17 @@ def load_weights(model: nn.Module, path: Path) -> None:
     expected = _expected_shards(model, params)
     missing = sorted(expected - loaded)
     if missing:
-        names = ", ".join(m.split("#")[0] for m in missing[:8])
+        names = ", ".join(_checkpoint_name(m, packed) for m in missing[:8])
         raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensor(s): {names}")
+
+
+def _checkpoint_name(shard_key: str, packed: dict[str, tuple[str, int]]) -> str:
+    """`...qkv_proj.weight#1` -> `...k_proj.weight`: the name the checkpoint should have."""
+    name, shard = shard_key.rsplit("#", 1)
+    for ckpt_name, (ours, shard_id) in packed.items():
+        if f".{ours}." in name and shard_id == int(shard):
+            return name.replace(f".{ours}.", f".{ckpt_name}.")
+    return name
 
 
 def _expected_shards(model: nn.Module, params: dict[str, nn.Parameter]) -> set[str]:

@@ -39,7 +39,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(
             config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
         )
-        self.o_proj = Linear(self.q_size, [config.hidden_size])
+        # Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2 configs never set it.
+        self.o_proj = Linear(self.q_size, [config.hidden_size], bias=config.attention_bias)
         self.rotary = rotary
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None

@@ -1,0 +1,103 @@
+"""Incremental detokenization: deltas add up to the full decode; stop strings are held back."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from srt.managers.tokenizer import IncrementalDetokenizer, load_tokenizer
+from srt.model_config import ModelLoadError
+
+UNICODE_TEXT = "héllo ✓ 日本語 🙂 naïve café — “quoted” 12345\n\tthe end. Ωμέγα 한국어 👩‍👩‍👧"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tokenizer(request: pytest.FixtureRequest, tiny_model_factory) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_factory(request.param))
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> list[str]:
+    """Push `ids` `chunk` at a time; every delta, the finish() one last."""
+    deltas = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    return deltas + [detok.finish()]
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_deltas_add_up_to_the_full_decode(tokenizer: Any, chunk: int) -> None:
+    ids = tokenizer.encode(UNICODE_TEXT, add_special_tokens=False)
+    assert len(ids) > 40  # multi-byte characters span several byte-level tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = stream(detok, ids, chunk)
+    assert "".join(deltas) == detok.text == UNICODE_TEXT
+    assert not any("\ufffd" in d for d in deltas)  # half characters are never released
+
+
+def test_random_ids_match_the_full_decode(tokenizer: Any) -> None:
+    """What a random-weight model emits (byte soup, stray continuation bytes) still adds up."""
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        detok = IncrementalDetokenizer(tokenizer)
+        assert "".join(stream(detok, ids)) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens_skipped_or_kept(tokenizer: Any) -> None:
+    ids = tokenizer.encode("Hello there") + [tokenizer.eos_token_id]
+    skipped = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    assert "".join(stream(skipped, ids)) == "Hello there"
+    kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert "".join(stream(kept, ids)) == "<|begin_of_text|>Hello there<|end_of_text|>"
+
+
+@pytest.mark.parametrize(("stop", "expected"), [
+    (["before"], "The lighthouse keeper woke "),
+    (["zzz", "keeper w"], "The lighthouse "),
+    (["ke"], "The lighthouse "),
+    (["日本"], "The lighthouse keeper woke before the gulls, héllo "),
+    (["gulls, hé"], "The lighthouse keeper woke before the "),
+    (["s, h"], "The lighthouse keeper woke before the gull"),
+])
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_stop_string_is_never_emitted(
+    tokenizer: Any, stop: list[str], expected: str, chunk: int
+) -> None:
+    ids = tokenizer.encode("The lighthouse keeper woke before the gulls, héllo 日本語 🙂",
+                           add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=stop)
+    emitted = ""
+    for delta in stream(detok, ids, chunk):
+        emitted += delta
+        assert expected.startswith(emitted), (emitted, expected)  # never a char past the cut
+    assert emitted == detok.text == expected
+    assert detok.push(tokenizer.encode(" more", add_special_tokens=False)) == ""
+    assert detok.finish() == "" and detok.text == expected
+
+
+def test_possible_stop_prefix_held_then_released(tokenizer: Any) -> None:
+    text = "The lighthouse keeper wi"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=["keeper wins"])
+    emitted = ""
+    for i in range(len(ids)):
+        emitted += detok.push(ids[i : i + 1])
+        if detok.text.endswith("keeper"):
+            assert emitted == "The lighthouse "  # "keeper" might begin the stop string
+    assert emitted == "The lighthouse "  # "keeper wi" might still become "keeper wins"
+    emitted += detok.finish()
+    assert emitted == text
+
+
+def test_stop_prefix_released_once_impossible(tokenizer: Any) -> None:
+    ids = tokenizer.encode("a keeper of bees", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=["keeper wins"])
+    emitted = "".join(detok.push([i]) for i in ids)
+    assert emitted == "a keeper of bees"  # released without finish(): it can't be the stop
+
+
+def test_load_tokenizer_errors_name_the_directory(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=str(tmp_path)):
+        load_tokenizer(tmp_path)

@@ -1,0 +1,148 @@
+"""The radix prefix cache: match, split, insert, evict, and the lock and slot accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from srt.managers.kv_allocator import TokenSlotAllocator
+from srt.managers.prefix_cache import PrefixCache
+from srt.managers.scheduler import Req
+from srt.sampling_params import SamplingParams
+
+CAPACITY = 64
+
+
+def setup() -> tuple[PrefixCache, TokenSlotAllocator]:
+    alloc = TokenSlotAllocator(CAPACITY + 1)
+    return PrefixCache(alloc), alloc
+
+
+def start(cache: PrefixCache, alloc: TokenSlotAllocator, prompt: list[int]) -> Req:
+    """Admit a request as the scheduler does: take its cached prefix, compute the rest."""
+    req = Req("r", prompt, SamplingParams(), seed=0)
+    cache.attach(req)
+    req.slots = np.concatenate([req.slots, alloc.alloc(len(prompt) - req.kv_len)])
+    req.kv_len = len(prompt)
+    return req
+
+
+def finish(cache: PrefixCache, req: Req) -> None:
+    cache.release(req, req.input_ids, req.slots)
+
+
+def check_accounting(cache: PrefixCache, alloc: TokenSlotAllocator) -> None:
+    """Every slot is exactly once either free or in the tree; sizes agree with the nodes."""
+    nodes = cache._nodes()
+    tree_slots = np.concatenate([n.slots for n in nodes]) if nodes else np.zeros(0, np.int32)
+    assert sum(len(n.key) for n in nodes) == cache.size == len(tree_slots)
+    assert all(len(n.key) == len(n.slots) for n in nodes)
+    assert cache.locked_size == sum(len(n.key) for n in nodes if n.lock_ref > 0)
+    everything = np.concatenate([tree_slots, alloc._free])
+    assert sorted(everything.tolist()) == list(range(1, CAPACITY + 1))
+
+
+def test_match_splits_a_node_and_shares_its_slots() -> None:
+    cache, alloc = setup()
+    a = start(cache, alloc, [1, 2, 3, 4, 5, 6])
+    finish(cache, a)
+    assert cache.size == 6 and cache.evictable_size == 6
+
+    b = start(cache, alloc, [1, 2, 3, 9, 9])
+    assert b.cached_tokens == 3
+    assert b.slots[:3].tolist() == a.slots[:3].tolist()
+    (upper,) = cache.root.children.values()
+    assert upper.key == [1, 2, 3] and [n.key for n in upper.children.values()] == [[4, 5, 6]]
+    assert cache.locked_size == 3 and cache.evictable_size == 3
+    finish(cache, b)
+    assert cache.size == 8 and cache.locked_size == 0
+    assert sorted(n.key[0] for n in upper.children.values()) == [4, 9]
+    check_accounting(cache, alloc)
+
+
+def test_never_matches_the_whole_prompt() -> None:
+    cache, alloc = setup()
+    finish(cache, start(cache, alloc, [1, 2, 3, 4]))
+    again = start(cache, alloc, [1, 2, 3, 4])
+    assert again.cached_tokens == 3  # the last token is recomputed for its logits
+    finish(cache, again)
+    assert cache.size == 4
+    check_accounting(cache, alloc)  # the duplicate slot of token 4 went back to the allocator
+
+
+def test_duplicates_computed_concurrently_are_freed() -> None:
+    cache, alloc = setup()
+    a = start(cache, alloc, [5, 6, 7, 8])
+    b = start(cache, alloc, [5, 6, 7, 8, 9])  # admitted before a finished: no hit
+    assert b.cached_tokens == 0
+    finish(cache, a)
+    finish(cache, b)
+    assert cache.size == 5
+    check_accounting(cache, alloc)
+
+
+def test_locked_prefix_survives_eviction() -> None:
+    cache, alloc = setup()
+    finish(cache, start(cache, alloc, [1, 2, 3, 4]))
+    finish(cache, start(cache, alloc, [7, 8, 9]))
+    running = start(cache, alloc, [1, 2, 3, 5])  # locks [1, 2, 3]
+    assert cache.evictable_size == 4  # [4] and [7, 8, 9]
+
+    assert cache.evict(100) == 4
+    assert cache.size == 3 and cache.evictable_size == 0
+    assert [n.key for n in cache._nodes()] == [[1, 2, 3]]
+    finish(cache, running)
+    assert cache.evictable_size == 4  # [1, 2, 3] and [5]
+    check_accounting(cache, alloc)
+    assert cache.evict(1) == 1  # the leaf [5] goes first, its parent stays
+    assert [n.key for n in cache._nodes()] == [[1, 2, 3]]
+    assert cache.evict(1) == 3
+    assert cache.size == 0
+    check_accounting(cache, alloc)
+
+
+def test_evicts_least_recently_used_first() -> None:
+    cache, alloc = setup()
+    for prompt in ([1, 1, 1], [2, 2, 2], [3, 3, 3]):
+        finish(cache, start(cache, alloc, prompt))
+    touched = start(cache, alloc, [1, 1, 1, 1])  # a hit refreshes [1, 1, 1]
+    finish(cache, touched)
+    cache.evict(3)
+    assert sorted(n.key[0] for n in cache.root.children.values()) == [1, 3]
+    cache.evict(3)
+    assert sorted(n.key[0] for n in cache.root.children.values()) == [1]
+    check_accounting(cache, alloc)
+
+
+def test_shared_prefix_locked_twice_unlocked_twice() -> None:
+    cache, alloc = setup()
+    finish(cache, start(cache, alloc, [1, 2, 3, 4, 5]))
+    a = start(cache, alloc, [1, 2, 3, 4, 6])
+    b = start(cache, alloc, [1, 2, 7])  # splits the node a holds locked
+    assert cache.locked_size == 4
+    finish(cache, a)
+    assert cache.locked_size == 2  # b still holds [1, 2]
+    assert cache.evict(100) == 4  # [3, 4], [5] and a's [6], but not [1, 2]
+    finish(cache, b)
+    assert cache.locked_size == 0
+    check_accounting(cache, alloc)
+
+
+def test_detach_undoes_attach() -> None:
+    cache, alloc = setup()
+    finish(cache, start(cache, alloc, [1, 2, 3]))
+    req = Req("r", [1, 2, 3, 4], SamplingParams(), seed=0)
+    cache.attach(req)
+    assert req.kv_len == req.cached_tokens == 3 and cache.locked_size == 3
+    cache.detach(req)
+    assert (req.kv_len, req.cached_tokens, len(req.slots), req.cache_node) == (0, 0, 0, None)
+    assert cache.locked_size == 0
+    check_accounting(cache, alloc)
+
+
+def test_reset_returns_every_slot() -> None:
+    cache, alloc = setup()
+    for prompt in ([1, 2, 3], [1, 2, 4], [9]):
+        finish(cache, start(cache, alloc, prompt))
+    cache.reset()
+    assert cache.size == 0 and not cache.root.children
+    assert alloc.available == CAPACITY

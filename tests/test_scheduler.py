@@ -1,0 +1,249 @@
+"""The scheduler against a fake runner that keeps a real paged 'KV cache' of (token, position).
+
+The fake's next token is a hash of the whole context it reads back through the
+request-to-token table, so a slot shared by two live requests, a slot evicted while in use, a
+wrong table write or a wrong position all show up as a wrong token, and the right answer for
+each request is computable alone.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from srt.managers.io_struct import BatchPlan, BatchResult, GenerateReq
+from srt.managers.scheduler import Scheduler
+from srt.model_executor.kv_cache import DUMMY_SLOT
+from srt.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+
+VOCAB = 50
+EOS = 0
+
+
+def next_token(context: np.ndarray) -> int:
+    """The fake model: a deterministic function of every token in the context."""
+    weights = np.arange(1, len(context) + 1, dtype=np.int64) * 7919
+    return int((context.astype(np.int64) * weights).sum() + len(context) * 31) % (VOCAB - 1) + 1
+
+
+def reference(prompt: list[int], max_new_tokens: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        out.append(next_token(np.array(prompt + out)))
+    return out
+
+
+class FakeRunner:
+    def __init__(self, num_slots: int, rows: int, context_length: int) -> None:
+        self.kv = np.full((num_slots, 2), -1, dtype=np.int64)  # slot -> (token, position)
+        self.table = np.zeros((rows, context_length), dtype=np.int64)
+        self.plans: list[BatchPlan] = []
+
+    def forward(self, plan: BatchPlan) -> BatchResult:
+        self.plans.append(plan)
+        assert DUMMY_SLOT not in plan.out_cache_loc
+        assert len(set(plan.out_cache_loc.tolist())) == plan.num_tokens
+        self.table[plan.table_rows, plan.table_cols] = plan.table_slots
+        self.kv[plan.out_cache_loc] = np.stack([plan.input_ids, plan.positions], axis=1)
+        out = []
+        for row, prefix, extend in zip(plan.req_pool_indices, plan.prefix_lens,
+                                       plan.extend_lens, strict=True):
+            kv = self.kv[self.table[row, : prefix + extend]]
+            assert (kv[:, 1] == np.arange(prefix + extend)).all(), "KV read at wrong positions"
+            out.append(next_token(kv[:, 0]))
+        return BatchResult(next_token_ids=np.array(out, dtype=np.int64), step=plan.step)
+
+
+def make_scheduler(
+    num_slots: int = 1024, context_length: int = 256, **kwargs
+) -> tuple[Scheduler, FakeRunner]:
+    args = ServerArgs(**kwargs)
+    sched = Scheduler(args, num_slots=num_slots, context_length=context_length,
+                      vocab_size=VOCAB, eos_token_ids=[EOS],
+                      decode_tail=lambda ids: "".join(chr(ord("a") + t % 26) for t in ids))
+    return sched, FakeRunner(num_slots, args.max_running_requests, context_length)
+
+
+def run_all(sched: Scheduler, runner: FakeRunner, reqs: dict[str, tuple[list[int], dict]]
+            ) -> dict[str, dict]:
+    """Submit every request, step until all finish; rid -> {ids, reason, matched, cached}."""
+    for rid, (prompt, params) in reqs.items():
+        sched.add_request(GenerateReq(rid, prompt, SamplingParams.from_dict(params)))
+    done: dict[str, dict] = {}
+    ids: dict[str, list[int]] = {rid: [] for rid in reqs}
+    for _ in range(10_000):
+        if not sched.has_work:
+            break
+        for out in sched.step(runner.forward):
+            ids[out.rid] += out.new_token_ids
+            if out.finished_reason is not None:
+                done[out.rid] = {"ids": ids[out.rid], "reason": out.finished_reason,
+                                 "matched": out.matched_stop, "cached": out.cached_tokens,
+                                 "completion_tokens": out.completion_tokens}
+    assert set(done) == set(reqs)
+    return done
+
+
+def assert_no_leak(sched: Scheduler) -> None:
+    cached = sched.prefix_cache.size if sched.prefix_cache else 0
+    assert sched.allocator.available + cached == sched.allocator.capacity
+    assert sched.rows.available == sched.args.max_running_requests
+    assert not sched.reqs and not sched.running and sched.chunked is None
+    if sched.prefix_cache:
+        assert sched.prefix_cache.locked_size == 0
+
+
+def shared_prefix_workload(n: int, seed: int) -> dict[str, tuple[list[int], dict]]:
+    rng = random.Random(seed)
+    stems = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
+    reqs = {}
+    for i in range(n):
+        tail = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 12))]
+        reqs[f"r{i}"] = (rng.choice(stems) + tail,
+                         {"max_new_tokens": rng.randrange(1, 16), "ignore_eos": True})
+    return reqs
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("chunk", [4, 2048])
+def test_outputs_correct_under_kv_pressure(prefix_caching: bool, chunk: int) -> None:
+    """A KV pool far smaller than the workload queues requests; all finish, all correct."""
+    reqs = shared_prefix_workload(40, seed=1)
+    sched, runner = make_scheduler(num_slots=65, max_running_requests=8,
+                                   chunked_prefill_size=chunk, max_prefill_tokens=48,
+                                   enable_prefix_caching=prefix_caching)
+    done = run_all(sched, runner, reqs)
+    for rid, (prompt, params) in reqs.items():
+        assert done[rid]["ids"] == reference(prompt, params["max_new_tokens"]), rid
+        assert done[rid]["reason"] == "length"
+    assert max(p.batch_size for p in runner.plans) > 1  # requests did share steps
+    if prefix_caching:
+        assert sum(d["cached"] for d in done.values()) > 0
+    else:
+        assert all(d["cached"] == 0 for d in done.values())
+    if chunk == 4:
+        assert all(p.extend_lens.max() <= 4 for p in runner.plans)
+    assert_no_leak(sched)
+
+
+def test_request_waits_until_kv_frees() -> None:
+    sched, runner = make_scheduler(num_slots=21, enable_prefix_caching=False)
+    for rid in "ab":
+        sched.add_request(GenerateReq(rid, [1, 2, 3, 4], SamplingParams(max_new_tokens=12)))
+    sched.step(runner.forward)
+    assert [r.rid for r in sched.running] == ["a"] and [r.rid for r in sched.waiting] == ["b"]
+    assert sched.info()["queued_requests"] == 1
+    while "a" in sched.reqs:
+        sched.step(runner.forward)
+    sched.step(runner.forward)
+    assert [r.rid for r in sched.running] == ["b"]
+
+
+def test_prefill_and_decode_are_separate_steps() -> None:
+    sched, runner = make_scheduler()
+    run_all(sched, runner, {"a": ([1, 2, 3], {"max_new_tokens": 3, "ignore_eos": True}),
+                            "b": ([4, 5], {"max_new_tokens": 3, "ignore_eos": True})})
+    modes = [(p.forward_mode, p.batch_size, p.num_tokens) for p in runner.plans]
+    assert modes == [(0, 2, 5), (1, 2, 2), (1, 2, 2)]
+    assert sched.stats["prefill_steps"] == 1 and sched.stats["decode_steps"] == 2
+
+
+def test_stop_conditions() -> None:
+    prompt = [3, 1, 4, 1, 5]
+    full = reference(prompt, 12)
+    sched, runner = make_scheduler(enable_prefix_caching=False)
+    eos_at = full.index(full[4])  # eos is the 5th token (or an earlier copy of it)
+    stop_at = full.index(full[6])
+    sched.eos_token_ids = {full[4]}
+    text = "".join(chr(ord("a") + t % 26) for t in full)
+    done = run_all(sched, runner, {
+        "eos": (prompt, {"max_new_tokens": 12}),
+        "ignore_eos": (prompt, {"max_new_tokens": 12, "ignore_eos": True}),
+        "stop_token": (prompt, {"max_new_tokens": 12, "ignore_eos": True,
+                                "stop_token_ids": [full[6]]}),
+        "stop_str": (prompt, {"max_new_tokens": 12, "ignore_eos": True,
+                              "stop": ["zzz", text[7:9]]}),
+        "zero": (prompt, {"max_new_tokens": 0}),
+        "one": (prompt, {"max_new_tokens": 1, "ignore_eos": True}),
+    })
+    assert done["eos"] == {"ids": full[: eos_at + 1], "reason": "stop", "matched": full[4],
+                           "cached": 0, "completion_tokens": eos_at + 1}
+    assert done["ignore_eos"]["ids"] == full and done["ignore_eos"]["reason"] == "length"
+    assert done["stop_token"]["ids"] == full[: stop_at + 1]
+    assert (done["stop_token"]["reason"], done["stop_token"]["matched"]) == ("stop", full[6])
+    stop_str_at = text.index(text[7:9]) + 2
+    assert done["stop_str"]["ids"] == full[:stop_str_at]
+    assert (done["stop_str"]["reason"], done["stop_str"]["matched"]) == ("stop", text[7:9])
+    assert done["zero"]["ids"] == [] and done["zero"]["reason"] == "length"
+    assert done["one"]["ids"] == full[:1] and done["one"]["reason"] == "length"
+    assert_no_leak(sched)
+
+
+def test_max_new_tokens_clamped_to_context_length() -> None:
+    sched, runner = make_scheduler(num_slots=17, context_length=16)
+    prompt = list(range(1, 11))
+    done = run_all(sched, runner, {"a": (prompt, {"max_new_tokens": 100, "ignore_eos": True})})
+    assert done["a"]["ids"] == reference(prompt, 6) and done["a"]["reason"] == "length"
+
+
+@pytest.mark.parametrize(("input_ids", "message"), [
+    ([], "the prompt is empty"),
+    ([1, VOCAB], f"invalid token id {VOCAB}: ids must be in \\[0, {VOCAB}\\)"),
+    ([-1], "invalid token id -1"),
+    ([1, 2.0], "invalid token id 2.0"),
+    (list(range(1, 17)), "the prompt has 16 tokens; the context length is 16"),
+])
+def test_invalid_requests_rejected(input_ids: list, message: str) -> None:
+    sched, _ = make_scheduler(context_length=16)
+    with pytest.raises(ValueError, match=message):
+        sched.add_request(GenerateReq("a", input_ids, SamplingParams()))
+    assert not sched.has_work
+
+
+def test_request_larger_than_kv_cache_rejected() -> None:
+    sched, _ = make_scheduler(num_slots=9, context_length=64)
+    with pytest.raises(ValueError, match="needs 12 KV slots; the KV cache holds 8"):
+        sched.add_request(GenerateReq("a", [1] * 4, SamplingParams(max_new_tokens=8)))
+
+
+def test_duplicate_rid_rejected() -> None:
+    sched, _ = make_scheduler()
+    sched.add_request(GenerateReq("a", [1], SamplingParams()))
+    with pytest.raises(ValueError, match="duplicate request id 'a'"):
+        sched.add_request(GenerateReq("a", [1], SamplingParams()))
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_abort_frees_everything(prefix_caching: bool) -> None:
+    sched, runner = make_scheduler(chunked_prefill_size=4, enable_prefix_caching=prefix_caching)
+    for rid in "abc":
+        sched.add_request(GenerateReq(rid, list(range(1, 11)), SamplingParams(max_new_tokens=8)))
+    sched.step(runner.forward)  # "a" is half prefilled, the others wait
+    assert sched.chunked is not None and sched.chunked.rid == "a"
+    out = sched.abort("a")
+    assert out.finished_reason == "abort" and out.rid == "a"
+    for _ in range(4):
+        sched.step(runner.forward)  # "b" is decoding, "c" waits or prefills
+    for rid in "bc":
+        assert sched.abort(rid).finished_reason == "abort"
+    assert sched.abort("nope") is None
+    assert_no_leak(sched)
+    assert sched.flush_cache()
+    assert sched.allocator.available == sched.allocator.capacity
+
+
+def test_flush_cache_refused_while_busy() -> None:
+    sched, runner = make_scheduler()
+    sched.add_request(GenerateReq("a", [1, 2, 3], SamplingParams(max_new_tokens=4)))
+    sched.step(runner.forward)
+    assert not sched.flush_cache()
+
+
+@pytest.mark.parametrize("option", ["chunked_prefill_size", "max_prefill_tokens",
+                                    "max_running_requests"])
+def test_nonpositive_batching_limits_rejected(option: str) -> None:
+    with pytest.raises(ValueError, match=option):
+        make_scheduler(**{option: 0})
