@@ -200,9 +200,9 @@ def test_default_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         t.start()
     for t in threads:
         t.join()
-    expected = tmp_path / "srt" / "tiny-llama"
+    expected = tmp_path / "srt" / "tiny-llama-v1"
     assert results == [expected, expected]
-    assert [p.name for p in (tmp_path / "srt").iterdir()] == ["tiny-llama"]  # no temp leftovers
+    assert [p.name for p in (tmp_path / "srt").iterdir()] == ["tiny-llama-v1"]  # no temp leftovers
     config = json.loads((expected / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["num_hidden_layers"] == 2 and config["hidden_size"] == 64

@@ -1,0 +1,204 @@
+"""The `flashinfer` attention backend: FlashInfer's paged kernels over our token-level slots.
+
+Optional (`pip install flashinfer-python`). Our KV cache is a paged cache with page size 1:
+a request's pages are its slots, read from its request-to-token row, so `kv_indptr` is the
+running sum of sequence lengths and `kv_indices` the slots themselves. Decode batches use
+`BatchDecodeWithPagedKVCacheWrapper`, extend batches `BatchPrefillWithPagedKVCacheWrapper`
+(causal, queries aligned to the end of their KV).
+
+`plan` needs the query and KV dtypes, which the backend learns from the first layer it runs;
+so a step is planned at its first layer, except a graph replay, which is planned in the replay
+hook (the warm-up before every capture has run a layer by then). Only decode runs inside
+`full` CUDA graphs: one wrapper per captured batch size, on static index buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from srt.layers.attention.base import AttentionBackend
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.kv_cache import DUMMY_SLOT
+
+try:
+    import flashinfer
+except ImportError as e:
+    raise ImportError(
+        "--attention-backend flashinfer needs the flashinfer package "
+        "(pip install flashinfer-python); or choose --attention-backend triton"
+    ) from e
+
+WORKSPACE_BYTES = 128 * 2**20
+
+
+@dataclass
+class FlashInferStep:
+    wrapper: Any  # the decode or prefill wrapper planned for this step
+    plan_args: tuple
+    plan_kwargs: dict[str, Any]
+    out_cache_loc: torch.Tensor
+    rows: int  # query rows the kernel computes; the rest of `out` is zeroed
+    pad_rows: torch.Tensor | None = None  # captured decode: [bucket] bool, padded requests
+    planned: dict[str, Any] = field(default_factory=dict)  # dtypes and scale it was planned for
+
+
+def indptr(lengths: list[int]) -> torch.Tensor:
+    """[len + 1] int32 on the host: FlashInfer's plan reads it there (no device sync)."""
+    return torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+
+
+def kv_indices(batch: ForwardBatch) -> torch.Tensor:
+    """The slots of every real request's KV, concatenated: its pages at page size 1. Built
+    on the device without a sync, the total being known from the host lengths."""
+    bs = batch.batch_size
+    total = sum(batch.seq_lens_cpu)
+    seq_lens = batch.seq_lens[:bs].long()
+    rows = torch.repeat_interleave(batch.req_pool_indices[:bs].long(), seq_lens, output_size=total)
+    firsts = torch.repeat_interleave(seq_lens.cumsum(0) - seq_lens, seq_lens, output_size=total)
+    cols = torch.arange(total, device=seq_lens.device) - firsts
+    return batch.req_to_token[rows, cols]
+
+
+class FlashInferBackend(AttentionBackend):
+    graph_modes = frozenset({ForwardMode.DECODE})
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        # Tensor cores pay off once several query heads share each KV head.
+        self.use_tensor_cores = num_heads // num_kv_heads >= 4
+        self.workspace: torch.Tensor | None = None
+        self.decode_wrapper: Any = None
+        self.prefill_wrapper: Any = None
+        self.dtypes: dict[str, Any] = {}  # q/kv dtypes and scale, from the first layer run
+        self.step: FlashInferStep | None = None
+        # CUDA graphs (decode only)
+        self.max_bs = 0
+        self.graph_wrappers: dict[int, Any] = {}
+        self.graph_indptr: torch.Tensor | None = None
+        self.graph_indices: torch.Tensor | None = None
+        self.graph_last_page_len: torch.Tensor | None = None
+        self.graph_pad_rows: torch.Tensor | None = None
+
+    def _ensure_wrappers(self, device: torch.device) -> None:
+        if self.workspace is not None:
+            return
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD"
+        )
+
+    def _plan(self, step: FlashInferStep) -> None:
+        step.wrapper.plan(*step.plan_args, **step.plan_kwargs, **self.dtypes)
+        step.planned = dict(self.dtypes)
+
+    # ---- eager steps ----
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._ensure_wrappers(batch.out_cache_loc.device)
+        bs = batch.batch_size
+        pages = (indptr(batch.seq_lens_cpu), kv_indices(batch), torch.ones(bs, dtype=torch.int32))
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim, 1)
+        if batch.mode == ForwardMode.DECODE:
+            self.step = FlashInferStep(
+                self.decode_wrapper, (*pages, *heads), {}, batch.out_cache_loc, rows=bs
+            )
+        else:
+            self.step = FlashInferStep(
+                self.prefill_wrapper, (indptr(batch.extend_lens_cpu), *pages, *heads),
+                {"causal": True}, batch.out_cache_loc, rows=batch.num_tokens,
+            )
+
+    # ---- CUDA graphs (decode) ----
+
+    def init_graph_state(self, max_bs: int, max_tokens: int) -> None:
+        self.max_bs = max_bs
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch, bucket: int) -> None:
+        if batch.mode != ForwardMode.DECODE:
+            raise RuntimeError(
+                "flashinfer attention is captured for decode only; use "
+                "--cuda-graph-backend-prefill breakable or tc_piecewise, or "
+                "--attention-backend triton"
+            )
+        device = batch.out_cache_loc.device
+        self._ensure_wrappers(device)
+        if self.graph_indptr is None:
+            # Outside any capture: the first capture hook comes before its warm-up.
+            width = batch.req_to_token.shape[1]
+            self.graph_indptr = torch.zeros(self.max_bs + 1, dtype=torch.int32, device=device)
+            self.graph_indices = torch.zeros(
+                self.max_bs * width, dtype=torch.int32, device=device
+            )
+            self.graph_last_page_len = torch.ones(self.max_bs, dtype=torch.int32, device=device)
+            self.graph_pad_rows = torch.zeros(self.max_bs, dtype=torch.bool, device=device)
+        wrapper = self.graph_wrappers.get(bucket)
+        if wrapper is None:
+            wrapper = self.graph_wrappers[bucket] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=self.graph_indptr[: bucket + 1],
+                paged_kv_indices_buffer=self.graph_indices,
+                paged_kv_last_page_len_buffer=self.graph_last_page_len[:bucket],
+            )
+        # Padded requests read one page, the dummy slot; their rows are zeroed after the run.
+        bs = batch.batch_size
+        pad = bucket - bs
+        real = kv_indices(batch)
+        pages = (
+            indptr(batch.seq_lens_cpu + [1] * pad),
+            torch.cat([real, real.new_full((pad,), DUMMY_SLOT)]),
+            torch.ones(bucket, dtype=torch.int32),
+        )
+        pad_rows = self.graph_pad_rows[:bucket]
+        pad_rows[:bs].fill_(False)
+        pad_rows[bs:].fill_(True)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim, 1)
+        self.step = FlashInferStep(
+            wrapper, (*pages, *heads), {}, batch.out_cache_loc, rows=bucket, pad_rows=pad_rows
+        )
+        if self.dtypes:
+            self._plan(self.step)
+
+    # ---- the layer op ----
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scaling: float,
+    ) -> None:
+        step = self.step
+        if step is None:
+            raise RuntimeError("flashinfer attention: init_forward_metadata must run first")
+        dtypes = {"q_data_type": q.dtype, "kv_data_type": k_cache.dtype, "sm_scale": scaling}
+        if step.planned != dtypes:
+            if step.planned or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                raise RuntimeError(
+                    f"flashinfer attention was planned for {step.planned or 'nothing'}, "
+                    f"got {dtypes}"
+                )
+            self.dtypes = dtypes
+            self._plan(step)
+        t = q.shape[0]
+        k_cache[step.out_cache_loc] = k.view(t, self.num_kv_heads, self.head_dim)
+        v_cache[step.out_cache_loc] = v.view(t, self.num_kv_heads, self.head_dim)
+        q = q.view(t, self.num_heads, self.head_dim)
+        o = out.view(t, self.num_heads, self.head_dim)
+        # Page size 1, NHD: [slots, 1, Hkv, D].
+        kv = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
+        step.wrapper.run(q[: step.rows], kv, out=o[: step.rows])
+        o[step.rows :].zero_()
+        if step.pad_rows is not None:
+            o.masked_fill_(step.pad_rows[:, None, None], 0)

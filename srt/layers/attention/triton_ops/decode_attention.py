@@ -1,0 +1,177 @@
+"""Paged decode attention (one query token per request) with split-K (flash decoding).
+
+Stage 1 splits each request's KV into `num_splits` chunks and computes, per chunk, the
+normalised partial output and its log-sum-exp for every query head of one KV head group
+(GQA heads share each K/V load). Stage 2 merges the chunks. The grid depends only on the
+batch size and `num_splits`, never on sequence lengths, so a CUDA graph captured for a batch
+size replays for any lengths. A request with `seq_len == 0` (a padded one) outputs zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from srt.layers.attention.triton_ops import dot_precision
+
+BLOCK_N = 64  # keys per inner step; every split is a multiple of it
+MAX_SPLITS = 16  # a power of two: stage 2 loads all chunks as one block
+TARGET_PROGRAMS = 256  # stage-1 programs to aim for (about two per SM of an H100/H200)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    # Both stages must agree on where the chunks lie.
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
+    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    stride_table, stride_po_req, stride_po_head, stride_po_split,
+    stride_pl_req, stride_pl_head,
+    scale_log2, num_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens + req)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if start < end:
+        offs_h = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + offs_h
+        mask_h = offs_h < GROUP
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        q = tl.load(
+            Q + req * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+        )
+        table = req_to_token + tl.load(req_pool_indices + req).to(tl.int64) * stride_table
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        # Every block starts below `end`, so each row sees a finite score in every block.
+        for block in range(start, end, BLOCK_N):
+            offs_n = block + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slots = tl.load(table + offs_n, mask=mask_n, other=0).to(tl.int64)
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(
+                K + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
+                mask=kv_mask, other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                V + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
+                mask=kv_mask, other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        tl.store(
+            part_out + req * stride_po_req + heads[:, None] * stride_po_head
+            + split * stride_po_split + offs_d[None, :],
+            acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :],
+        )
+        tl.store(
+            part_lse + req * stride_pl_req + heads * stride_pl_head + split,
+            m_i + tl.log2(l_i), mask=mask_h,
+        )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out, part_lse, seq_lens, Out,
+    stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
+    stride_o_tok, stride_o_head,
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+
+    seq_len = tl.load(seq_lens + req)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    # Chunks past the end of the sequence were never written.
+    valid = (offs_s < num_splits) & (offs_s * split_len < seq_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    lse = tl.load(
+        part_lse + req * stride_pl_req + head * stride_pl_head + offs_s, mask=valid, other=-1e30
+    )
+    weights = tl.where(valid, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    partial = tl.load(
+        part_out + req * stride_po_req + head * stride_po_head
+        + offs_s[:, None] * stride_po_split + offs_d[None, :],
+        mask=valid[:, None] & mask_d[None, :], other=0.0,
+    )
+    total = tl.sum(weights, 0)
+    o = tl.sum(weights[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(Out + req * stride_o_tok + head * stride_o_head + offs_d, o, mask=mask_d)
+
+
+def num_decode_splits(batch_size: int, num_kv_heads: int) -> int:
+    """KV chunks per request: enough programs to fill the GPU at small batch sizes.
+
+    Depends only on the batch size, so it is fixed for each captured decode bucket.
+    """
+    return max(1, min(MAX_SPLITS, triton.cdiv(TARGET_PROGRAMS, batch_size * num_kv_heads)))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    scaling: float,
+) -> None:
+    """q, out: [B, Hq, D] (last dim contiguous); k_cache, v_cache: [slots, Hkv, D];
+    req_pool_indices, seq_lens: [B] (seq_len 0 gives a zero output row);
+    part_out: [B, Hq, S, D] float32 and part_lse: [B, Hq, S] float32 scratch, S = splits."""
+    batch_size, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    num_splits = part_out.shape[2]
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        scaling * LOG2E, num_splits,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        BLOCK_N=BLOCK_N, DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2,
+    )
+    _decode_merge_kernel[(batch_size, num_heads)](
+        part_out, part_lse, seq_lens, out,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS,
+        BLOCK_N=BLOCK_N, num_warps=4,
+    )

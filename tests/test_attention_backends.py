@@ -1,0 +1,296 @@
+"""The CUDA attention backends against `torch_native` on random paged batches.
+
+GPU tests (marked `gpu`) run the kernels for real, including inside a CUDA graph replayed
+with other batches (the FlashInfer ones only where `flashinfer` is installed). On the CPU, one
+test runs a small set of the Triton checks in a subprocess under the Triton interpreter
+(TRITON_INTERPRET=1 must be set before the kernels are defined), when `triton` is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from srt.layers.attention.base import create_attention_backend
+from srt.layers.attention.torch_native import TorchNativeBackend
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, pad_tokens
+
+REPO = Path(__file__).resolve().parent.parent
+
+# (prefix_len, extend_len) per request: lengths 1, exact and ragged block multiples, long
+# prompts, and extends on top of cached prefixes.
+EXTEND_SPECS = [(0, 1), (0, 64), (0, 200), (37, 1), (130, 70), (5, 3), (700, 129)]
+DECODE_SPECS = [(0, 1), (1, 1), (63, 1), (64, 1), (300, 1), (2000, 1)]
+
+
+@dataclass
+class World:
+    """The runner-side state a batch refers to: the slot table and one layer's KV cache."""
+
+    req_to_token: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    next_row: int = 0
+    next_slot: int = 1  # slot 0 is the dummy slot
+
+    @classmethod
+    def create(
+        cls, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
+        rows: int = 32, context: int = 4096, slots: int = 32768,
+    ) -> World:
+        shape = (slots, num_kv_heads, head_dim)
+        return cls(
+            req_to_token=torch.zeros((rows, context), dtype=torch.int32, device=device),
+            k_cache=torch.zeros(shape, dtype=dtype, device=device),
+            v_cache=torch.zeros(shape, dtype=dtype, device=device),
+        )
+
+    def take_slots(self, n: int) -> torch.Tensor:
+        # Shuffled, so that a request's slots are not contiguous.
+        slots = self.next_slot + torch.randperm(n, device=self.k_cache.device)
+        self.next_slot += n
+        if self.next_slot > self.k_cache.shape[0]:
+            raise ValueError("test world out of KV slots")
+        return slots
+
+
+def make_batch(
+    world: World, mode: ForwardMode, specs: list[tuple[int, int]], num_heads: int,
+    padded_tokens: int | None = None,
+) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of fresh requests with random cached prefixes, and its random q, k, v."""
+    device = world.k_cache.device
+    _, num_kv_heads, head_dim = world.k_cache.shape
+    dtype = world.k_cache.dtype
+    rows, locs = [], []
+    for prefix, extend in specs:
+        row, world.next_row = world.next_row, world.next_row + 1
+        slots = world.take_slots(prefix + extend)
+        world.req_to_token[row, : prefix + extend] = slots.to(torch.int32)
+        cached = slots[:prefix]
+        world.k_cache[cached] = torch.randn_like(world.k_cache[cached])
+        world.v_cache[cached] = torch.randn_like(world.v_cache[cached])
+        rows.append(row)
+        locs.append(slots[prefix:])
+    prefix_lens = [p for p, _ in specs]
+    extend_lens = [e for _, e in specs]
+    seq_lens = [p + e for p, e in specs]
+    starts = [sum(extend_lens[:i]) for i in range(len(specs))]
+    num_tokens = sum(extend_lens)
+
+    def ints(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    batch = ForwardBatch(
+        mode=mode, batch_size=len(specs), num_tokens=num_tokens,
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=torch.cat([torch.arange(p, p + e, device=device) for p, e in specs]),
+        out_cache_loc=torch.cat(locs).long(),
+        req_pool_indices=ints(rows, torch.int64), seq_lens=ints(seq_lens),
+        prefix_lens=ints(prefix_lens), extend_lens=ints(extend_lens),
+        extend_start_loc=ints(starts),
+        seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens, extend_lens_cpu=extend_lens,
+        req_pool_indices_cpu=rows, req_to_token=world.req_to_token, attn_backend=None,
+    )
+    batch = pad_tokens(batch, padded_tokens or num_tokens)
+    t = batch.padded_tokens
+    q = torch.randn(t, num_heads * head_dim, dtype=dtype, device=device)
+    k = torch.randn(t, num_kv_heads * head_dim, dtype=dtype, device=device)
+    v = torch.randn(t, num_kv_heads * head_dim, dtype=dtype, device=device)
+    return batch, q, k, v
+
+
+def reference(
+    world: World, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch_native's output and the caches it leaves, computed on copies of the caches."""
+    _, num_kv_heads, head_dim = world.k_cache.shape
+    native = TorchNativeBackend(q.shape[1] // head_dim, num_kv_heads, head_dim)
+    k_cache, v_cache = world.k_cache.clone(), world.v_cache.clone()
+    out = torch.empty_like(q)
+    native.forward(batch, q, k, v, out, k_cache, v_cache, head_dim**-0.5)
+    return out, k_cache, v_cache
+
+
+def assert_matches(
+    world: World, expected: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    out: torch.Tensor, num_tokens: int,
+) -> None:
+    ref_out, ref_k, ref_v = expected
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}[out.dtype]
+    torch.testing.assert_close(out[:num_tokens], ref_out[:num_tokens], atol=tol, rtol=tol)
+    assert torch.count_nonzero(out[num_tokens:]) == 0, "padded tail not zeroed"
+    # Slot 0 takes the padded tokens' K and V in any order; every other slot must match.
+    assert torch.equal(world.k_cache[1:], ref_k[1:]) and torch.equal(world.v_cache[1:], ref_v[1:])
+
+
+def check_eager(
+    backend_name: str, mode: ForwardMode, specs: list[tuple[int, int]], num_heads: int,
+    num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, pad: int = 0,
+) -> None:
+    world = World.create(num_kv_heads, head_dim, dtype, device)
+    backend = create_attention_backend(backend_name, num_heads, num_kv_heads, head_dim)
+    batch, q, k, v = make_batch(
+        world, mode, specs, num_heads, sum(e for _, e in specs) + pad
+    )
+    expected = reference(world, batch, q, k, v)
+    out = torch.full_like(q, 7.0)  # garbage that the padded tail must lose
+    backend.init_forward_metadata(batch)
+    backend.forward(batch, q, k, v, out, world.k_cache, world.v_cache, head_dim**-0.5)
+    assert_matches(world, expected, out, batch.num_tokens)
+
+
+def check_static_replay(
+    backend_name: str, mode: ForwardMode, batches_specs: list[list[tuple[int, int]]],
+    bucket: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    device: str, max_bs: int = 8,
+) -> None:
+    """The graph path, as the `full` runner drives it: capture with the first batch, then
+    replay later batches of the same bucket through the static buffers.
+
+    On CUDA the forward is captured in a real CUDA graph and replayed. Elsewhere (the Triton
+    interpreter) the forward re-runs on the replayed metadata, checked to launch as captured.
+    """
+    world = World.create(num_kv_heads, head_dim, dtype, device)
+    backend = create_attention_backend(backend_name, num_heads, num_kv_heads, head_dim)
+    backend.init_graph_state(max_bs, max_tokens=bucket)
+    scale = head_dim**-0.5
+    # As the runner does: the batch's token tensors are static buffers, padded to the bucket.
+    batch, q, k, v = make_batch(world, mode, batches_specs[0], num_heads, bucket)
+    static_q, static_k, static_v = q.clone(), k.clone(), v.clone()
+    static_loc = batch.out_cache_loc.clone()
+    static_out = torch.empty_like(q)
+    batch = dataclasses.replace(batch, out_cache_loc=static_loc)
+    backend.init_forward_metadata_capture(batch)
+    captured = backend.step
+
+    def run() -> None:
+        backend.forward(
+            batch, static_q, static_k, static_v, static_out, world.k_cache, world.v_cache, scale
+        )
+
+    graph = None
+    if device == "cuda":
+        backup = world.k_cache.clone(), world.v_cache.clone()
+        run()  # the warm-up: compiles (and plans) outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        world.k_cache.copy_(backup[0])
+        world.v_cache.copy_(backup[1])
+
+    for specs in batches_specs:
+        live, q, k, v = make_batch(world, mode, specs, num_heads, bucket)
+        expected = reference(world, live, q, k, v)
+        for static, new in zip((static_q, static_k, static_v, static_loc),
+                               (q, k, v, live.out_cache_loc), strict=True):
+            static.copy_(new)
+        static_out.fill_(7.0)
+        backend.init_forward_metadata_replay(
+            dataclasses.replace(live, out_cache_loc=static_loc), bucket
+        )
+        if graph is not None:
+            graph.replay()
+        else:
+            step = backend.step
+            assert step.layout == captured.layout
+            assert step.fields.data_ptr() == captured.fields.data_ptr()
+            assert step.out_cache_loc.data_ptr() == captured.out_cache_loc.data_ptr()
+            run()
+        assert_matches(world, expected, static_out, live.num_tokens)
+
+
+# ---- GPU ----
+
+GQA = [(8, 8), (16, 4), (32, 4)]  # group sizes 1, 4, 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"q{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+def test_triton_matches_torch_native(
+    dtype: torch.dtype, heads: tuple[int, int], head_dim: int, mode: ForwardMode
+) -> None:
+    specs = EXTEND_SPECS if mode == ForwardMode.EXTEND else DECODE_SPECS
+    check_eager("triton", mode, specs, *heads, head_dim, dtype, "cuda", pad=3)
+    check_eager("triton", mode, specs[:1], *heads, head_dim, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+def test_triton_cuda_graph_replays_other_batches(mode: ForwardMode) -> None:
+    if mode == ForwardMode.DECODE:
+        batches = [[(10, 1)] * 8, [(3, 1), (900, 1), (0, 1)], [(2500, 1)] * 8]
+        bucket = 8
+    else:
+        batches = [[(0, 64)], [(0, 5), (100, 30), (7, 1)], [(2000, 50), (0, 14)]]
+        bucket = 64
+    check_static_replay("triton", mode, batches, bucket, 32, 8, 128, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+def test_flashinfer_matches_torch_native(mode: ForwardMode) -> None:
+    pytest.importorskip("flashinfer")
+    specs = EXTEND_SPECS if mode == ForwardMode.EXTEND else DECODE_SPECS
+    check_eager("flashinfer", mode, specs, 32, 8, 128, torch.bfloat16, "cuda", pad=3)
+
+
+@pytest.mark.gpu
+def test_flashinfer_cuda_graph_replays_other_decode_batches() -> None:
+    pytest.importorskip("flashinfer")
+    batches = [[(10, 1)] * 8, [(3, 1), (900, 1), (0, 1)], [(2500, 1)] * 8]
+    check_static_replay(
+        "flashinfer", ForwardMode.DECODE, batches, 8, 32, 8, 128, torch.bfloat16, "cuda"
+    )
+
+
+# ---- CPU ----
+
+
+def test_flashinfer_missing_names_the_flag() -> None:
+    if importlib.util.find_spec("flashinfer") is not None:
+        pytest.skip("flashinfer is installed")
+    with pytest.raises(ImportError, match="--attention-backend"):
+        create_attention_backend("flashinfer", 8, 2, 64)
+
+
+def run_interpreter_checks() -> None:
+    """The CPU checks, for a process started with TRITON_INTERPRET=1 (fp16: the interpreter
+    multiplies bf16 as raw integers)."""
+    torch.manual_seed(0)
+    small = dict(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cpu")
+    check_eager("triton", ForwardMode.EXTEND, [(0, 1), (0, 70), (60, 9)], pad=2, **small)
+    check_eager("triton", ForwardMode.DECODE, [(0, 1), (130, 1), (1100, 1)], pad=1, **small)
+    check_static_replay(
+        "triton", ForwardMode.EXTEND, [[(0, 16)], [(3, 2), (65, 5)]], 16, max_bs=4, **small
+    )
+    check_static_replay(
+        "triton", ForwardMode.DECODE, [[(5, 1)] * 4, [(70, 1)]], 4, max_bs=4, **small
+    )
+
+
+def test_triton_kernels_under_interpreter() -> None:
+    triton = pytest.importorskip("triton")
+    import numpy as np
+    from packaging.version import Version
+
+    if Version(np.__version__) >= Version("2.4") and Version(triton.__version__) < Version("3.7"):
+        pytest.skip("triton < 3.7's interpreter fails on numpy >= 2.4 (triton issue 9171)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    code = "from tests.test_attention_backends import run_interpreter_checks as r; r()"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
