@@ -98,7 +98,9 @@ class ServerArgs:
             help_text = meta.pop("help", None)
             hint = hints[f.name]
             if hint is bool:
-                parser.add_argument(flag, action="store_true", help=help_text)
+                # A switch that defaults to on also needs its --no- form to turn it off.
+                action = argparse.BooleanOptionalAction if f.default else "store_true"
+                parser.add_argument(flag, action=action, default=f.default, help=help_text)
                 continue
             base, is_list = _unwrap(hint)
             kwargs: dict[str, Any] = {"type": base, "default": f.default, "help": help_text}

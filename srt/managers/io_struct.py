@@ -90,3 +90,34 @@ class TokenOutput:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
+
+
+@dataclass
+class FlushCacheOutput:
+    """scheduler -> tokenizer: the answer to a FlushCacheReq."""
+
+    success: bool
+
+
+@dataclass
+class InfoReq:
+    """tokenizer -> scheduler -> runner: ask for live state (server info, metrics)."""
+
+    req_id: int
+
+
+@dataclass
+class InfoOutput:
+    """scheduler -> tokenizer: the answer to an InfoReq."""
+
+    req_id: int
+    scheduler: dict
+    runner: dict
+
+
+@dataclass
+class RunnerReady:
+    """runner -> scheduler, once, before any plan: the KV cache the scheduler plans against."""
+
+    num_slots: int
+    context_length: int

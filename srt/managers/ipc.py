@@ -1,0 +1,81 @@
+"""ZeroMQ PUSH/PULL between the server's processes, over ipc:// endpoints in a private directory.
+
+Each PULL socket is bound by the process that reads it, each PUSH socket connects; a message is
+one pickled object (the io_struct dataclasses, whose token ids travel as numpy arrays).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    dir: str
+
+    @classmethod
+    def create(cls) -> Endpoints:
+        path = tempfile.mkdtemp(prefix="srt-ipc-")
+        os.chmod(path, 0o700)  # mkdtemp already does; the sockets must stay private
+        return cls(path)
+
+    def _ipc(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.dir, name)}"
+
+    @property
+    def scheduler_inbox(self) -> str:
+        """tokenizer -> scheduler: requests, aborts, flush and info requests."""
+        return self._ipc("scheduler")
+
+    @property
+    def runner_inbox(self) -> str:
+        """scheduler -> runner: batch plans and info requests."""
+        return self._ipc("runner")
+
+    @property
+    def runner_results(self) -> str:
+        """runner -> scheduler: batch results and runner info."""
+        return self._ipc("runner-results")
+
+    @property
+    def tokenizer_inbox(self) -> str:
+        """scheduler -> tokenizer: token outputs and replies."""
+        return self._ipc("tokenizer")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)  # never block shutdown on undelivered messages
+    sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)  # no silent drops
+    return sock
+
+
+def bind_pull(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = _socket(ctx, zmq.PULL)
+    sock.bind(endpoint)
+    return sock
+
+
+def connect_push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = _socket(ctx, zmq.PUSH)
+    sock.connect(endpoint)
+    return sock
+
+
+def send(sock: zmq.Socket, obj: Any) -> None:
+    sock.send(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(sock: zmq.Socket, flags: int = 0) -> Any:
+    """The next object; with `zmq.NOBLOCK`, raises `zmq.Again` when none is waiting."""
+    return pickle.loads(sock.recv(flags))

@@ -1,0 +1,115 @@
+"""The scheduler process: requests in from the tokenizer, one batch plan at a time to the runner,
+token outputs back to the tokenizer.
+
+Steps are synchronous (plan, wait for the result, process it); between steps every message that
+has arrived is handled, and with no work the loop sleeps on its inbox.
+"""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from srt.managers.io_struct import (
+    AbortReq,
+    FlushCacheOutput,
+    FlushCacheReq,
+    GenerateReq,
+    InfoOutput,
+    InfoReq,
+    RunnerReady,
+    TokenOutput,
+)
+from srt.managers.ipc import Endpoints, bind_pull, connect_push, recv, send
+from srt.managers.scheduler import Scheduler
+from srt.managers.tokenizer import load_tokenizer
+from srt.model_config import ModelConfig
+from srt.process import run_child
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# While requests wait for KV room that no running request is about to free, poll this often (ms).
+_BLOCKED_POLL_MS = 10
+
+
+class SchedulerLoop:
+    def __init__(self, args: ServerArgs, endpoints: Endpoints) -> None:
+        self.ctx = zmq.Context()
+        self.inbox = bind_pull(self.ctx, endpoints.scheduler_inbox)
+        self.results = bind_pull(self.ctx, endpoints.runner_results)
+        self.to_runner = connect_push(self.ctx, endpoints.runner_inbox)
+        self.to_tokenizer = connect_push(self.ctx, endpoints.tokenizer_inbox)
+        config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
+        tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        ready = recv(self.results)  # the runner's first message, once its KV cache exists
+        if not isinstance(ready, RunnerReady):
+            raise TypeError(f"expected RunnerReady from the runner, got {type(ready).__name__}")
+        self.scheduler = Scheduler(
+            args,
+            num_slots=ready.num_slots,
+            context_length=ready.context_length,
+            vocab_size=config.vocab_size,
+            eos_token_ids=config.eos_token_ids,
+            decode_tail=tokenizer.decode,
+        )
+
+    def figures(self) -> dict[str, Any]:
+        return {"info": self.scheduler.info()}
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        timeout: int | None = 0
+        while True:
+            if not self.scheduler.has_work:
+                timeout = None
+            if poller.poll(timeout):
+                self._handle_inbox()
+            scheduled = self.scheduler.schedule()
+            if scheduled is None:
+                timeout = None if not self.scheduler.has_work else _BLOCKED_POLL_MS
+                continue
+            timeout = 0
+            plan, items = scheduled
+            send(self.to_runner, plan)
+            outputs = self.scheduler.process_result(items, recv(self.results))
+            if outputs:
+                send(self.to_tokenizer, outputs)
+
+    def _handle_inbox(self) -> None:
+        replies: list[Any] = []
+        while True:
+            try:
+                msg = recv(self.inbox, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            reply = self._handle(msg)
+            if reply is not None:
+                replies.append(reply)
+        if replies:
+            send(self.to_tokenizer, replies)
+
+    def _handle(self, msg: Any) -> Any:
+        if isinstance(msg, GenerateReq):
+            try:
+                self.scheduler.add_request(msg)
+            except ValueError as e:  # the tokenizer validates first; never die on a bad one
+                logger.warning("rejected request %s: %s", msg.rid, e)
+                return TokenOutput(msg.rid, [], finished_reason="abort", error=str(e))
+            return None
+        if isinstance(msg, AbortReq):
+            return self.scheduler.abort(msg.rid)
+        if isinstance(msg, FlushCacheReq):
+            return FlushCacheOutput(self.scheduler.flush_cache())
+        if isinstance(msg, InfoReq):
+            send(self.to_runner, msg)
+            return InfoOutput(msg.req_id, self.scheduler.info(), recv(self.results))
+        raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
+
+
+def run_scheduler_process(args: ServerArgs, endpoints: Endpoints, ready: Connection) -> None:
+    run_child("scheduler", args.log_level, ready, lambda: SchedulerLoop(args, endpoints))

@@ -1,0 +1,45 @@
+"""The model-runner process: receives batch plans, runs `ModelRunner.forward`, sends results."""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from srt.managers.io_struct import BatchPlan, InfoReq, RunnerReady
+from srt.managers.ipc import Endpoints, bind_pull, connect_push, recv, send
+from srt.model_config import ModelConfig
+from srt.model_executor.model_runner import ModelRunner
+from srt.process import run_child
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class RunnerLoop:
+    def __init__(self, args: ServerArgs, endpoints: Endpoints) -> None:
+        config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
+        self.runner = ModelRunner(args, config)
+        self.ctx = zmq.Context()
+        self.inbox = bind_pull(self.ctx, endpoints.runner_inbox)
+        self.results = connect_push(self.ctx, endpoints.runner_results)
+        send(self.results, RunnerReady(self.runner.num_slots, self.runner.context_length))
+
+    def figures(self) -> dict[str, Any]:
+        return {"info": self.runner.info()}
+
+    def run(self) -> None:
+        while True:
+            msg = recv(self.inbox)
+            if isinstance(msg, BatchPlan):
+                send(self.results, self.runner.forward(msg))
+            elif isinstance(msg, InfoReq):
+                send(self.results, self.runner.info())
+            else:
+                raise TypeError(f"model runner got an unexpected message {type(msg).__name__}")
+
+
+def run_runner_process(args: ServerArgs, endpoints: Endpoints, ready: Connection) -> None:
+    run_child("model_runner", args.log_level, ready, lambda: RunnerLoop(args, endpoints))

@@ -1,0 +1,69 @@
+"""Set-up shared by the server's processes: one log format, and children tied to the launcher.
+
+A child reports to the launcher over a pipe exactly once: its startup figures when it is ready,
+or the error that stopped it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any, Protocol, TypeVar
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def configure_logging(level: str, process: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s [{process}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when the launcher dies, so that no child is orphaned."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(1)
+
+
+class Worker(Protocol):
+    def figures(self) -> dict[str, Any]: ...
+
+    def run(self) -> None: ...
+
+
+W = TypeVar("W", bound=Worker)
+
+
+def run_child(name: str, log_level: str, ready: Connection, build: Callable[[], W]) -> None:
+    """Body of a child process: build its worker, report readiness (or the error), serve."""
+    configure_logging(log_level, name)
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group; the launcher alone decides how to shut down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    start = time.perf_counter()
+    try:
+        worker = build()
+    except Exception as e:
+        logger.exception("%s failed to start", name)
+        ready.send({"error": f"{type(e).__name__}: {e}"})
+        ready.close()
+        sys.exit(1)
+    ready.send({"pid": os.getpid(), "setup_s": round(time.perf_counter() - start, 3),
+                **worker.figures()})
+    ready.close()
+    worker.run()

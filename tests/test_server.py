@@ -1,0 +1,306 @@
+"""The HTTP API against a real three-process server on the tiny model (CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_helpers import ServerProcess
+
+from srt.engine import Engine
+from srt.managers.tokenizer import load_tokenizer
+
+API_KEY = "sk-test-key"
+PROMPT = "The lighthouse keeper woke before the gulls"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = ServerProcess(["--model-path", str(tiny_llama)], log, api_key=API_KEY)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path):
+    with Engine(model_path=str(tiny_llama), device="cpu") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def post(server: ServerProcess, path: str, body: dict | None = None,
+         content: bytes | None = None) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, content=content, timeout=60,
+                      headers={**server.headers, "Content-Type": "application/json"})
+
+
+def chat_ids(tiny_llama: Path, messages: list[dict]) -> list[int]:
+    tok = load_tokenizer(tiny_llama)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_models_health_and_api_key(server: ServerProcess, model: str, tiny_llama: Path) -> None:
+    assert model == str(tiny_llama)
+    assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
+    for path in ("/v1/models", "/get_server_info", "/metrics"):
+        resp = httpx.get(f"{server.url}{path}")
+        assert resp.status_code == 401, path
+        assert resp.json()["error"]["code"] == "invalid_api_key"
+    bad = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401
+
+
+def test_greedy_matches_engine(client: openai.OpenAI, model: str, engine: Engine,
+                               server: ServerProcess, tiny_llama: Path) -> None:
+    params = {"max_new_tokens": 16, "temperature": 0}
+    want = engine.generate(prompt=PROMPT, sampling_params=params)
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0)
+    assert got.choices[0].text == want["text"]
+    assert got.usage.completion_tokens == want["meta_info"]["completion_tokens"]
+    assert got.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
+
+    native = post(server, "/generate", {"text": PROMPT, "sampling_params": params}).json()
+    assert native["output_ids"] == want["output_ids"]
+    assert native["text"] == want["text"]
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    want_chat = engine.generate(input_ids=chat_ids(tiny_llama, messages), sampling_params=params)
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                          temperature=0)
+    assert chat.choices[0].message.content == want_chat["text"]
+    assert chat.choices[0].message.role == "assistant"
+
+
+def test_streaming_equals_non_streaming(client: openai.OpenAI, model: str) -> None:
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    messages = [{"role": "user", "content": "Tell me about the library"}]
+    full_chat = client.chat.completions.create(model=model, messages=messages,
+                                               max_completion_tokens=20, temperature=0)
+    stream = list(client.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert stream[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full_chat.choices[0].message.content
+    assert stream[-1].usage == full_chat.usage
+
+
+def test_native_generate_stream_and_batch(server: ServerProcess, engine: Engine) -> None:
+    params = {"max_new_tokens": 6, "temperature": 0}
+    want = engine.generate(prompt=["a", "bb"], sampling_params=params)
+    batch = post(server, "/generate", {"text": ["a", "bb"], "sampling_params": params}).json()
+    assert [b["output_ids"] for b in batch] == [w["output_ids"] for w in want]
+    ids = want[0]["output_ids"]
+    by_ids = post(server, "/generate", {"input_ids": [1, 2, 3], "sampling_params": params}).json()
+    assert by_ids["meta_info"]["prompt_tokens"] == 3
+
+    with httpx.stream("POST", f"{server.url}/generate", headers=server.headers, timeout=60,
+                      json={"text": "a", "sampling_params": params, "stream": True}) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])  # each event holds the text and ids so far, SGLang style
+    assert last["output_ids"] == ids and last["meta_info"]["finish_reason"] == "length"
+
+
+def test_n_seed_stop_and_logprobs(client: openai.OpenAI, model: str) -> None:
+    kwargs = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, seed=7)
+    first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.usage.completion_tokens == 24
+
+    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=24,
+                                       temperature=0).choices[0].text
+    start = next(k for k in range(2, len(greedy) - 3) if greedy[k:k + 3].isalpha()
+                 and greedy.index(greedy[k:k + 3]) == k)
+    stop = greedy[start:start + 3]
+    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].text == greedy[:start]
+    assert cut.choices[0].finish_reason == "stop"
+
+    lp = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                   logprobs=3).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the top token
+
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    assert all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_64_concurrent_streams(server: ServerProcess, model: str) -> None:
+    before = server.info()["scheduler"]
+    asked = [4 + i % 13 for i in range(64)]
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str | None]:
+        stream = await client.completions.create(
+            model=model, prompt=f"Story {i}: the garden", max_tokens=asked[i],
+            temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        usage, finish = None, None
+        async for chunk in stream:
+            if chunk.choices:
+                finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+        return usage.completion_tokens, finish
+
+    async def run() -> list[tuple[int, str | None]]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY,
+                                      max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert [r[0] for r in results] == asked
+    assert all(r[1] == "length" for r in results)
+    after = server.info()["scheduler"]
+    assert after["generated_tokens"] - before["generated_tokens"] == sum(asked)
+    assert after["decode_steps"] - before["decode_steps"] < sum(asked) / 2  # batched
+    assert after["running_requests"] == after["queued_requests"] == 0
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', "malformed JSON"),
+    ("/v1/completions", [], "the request body must be a JSON object"),
+    ("/v1/completions", b"", "the request body must be a JSON object"),
+    ("/v1/completions", {"prompt": 123}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, "context length"),
+    ("/v1/completions", {"prompt": "word " * 3000}, "context length"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "does not exist"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, "invalid token id"),
+    ("/v1/completions", {"prompt": [1, -5]}, "invalid token id"),
+    ("/v1/completions", {"prompt": []}, "empty"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo is not supported"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 10**9}, "context length"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "model": "nope"}, "does not exist"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "presence_penalty": 0.5}, "presence_penalty is not supported"),
+    ("/generate", {"input_ids": [-1]}, "invalid token id"),
+    ("/generate", {"input_ids": [1, 2], "text": "hi"}, "exactly one"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, "bogus"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_p": 0}}, "top_p"),
+]
+
+
+@pytest.mark.parametrize("path,body,message", BAD_REQUESTS,
+                         ids=[f"{p}:{m}" for p, _, m in BAD_REQUESTS])
+def test_bad_input_is_400_and_server_keeps_serving(
+    server: ServerProcess, path: str, body: object, message: str,
+) -> None:
+    if isinstance(body, bytes):
+        resp = post(server, path, content=body)
+    else:
+        resp = post(server, path, body)  # type: ignore[arg-type]
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert message in error["message"] or message == error["param"], error
+    ok = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_disconnect_mid_stream_frees_kv(server: ServerProcess) -> None:
+    max_tokens = 1900  # far more than can finish in the test's lifetime of the stream
+    before = server.info()["scheduler"]
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      headers=server.headers, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        for _ in range(5):
+            next(line for line in lines if line.startswith("data: "))
+        mid = server.info()["scheduler"]
+        assert mid["running_requests"] == 1 and mid["kv_slots_used"] > mid["kv_slots_cached"]
+    # The connection is closed here, with most of the tokens still to come.
+    assert _wait_for(lambda: server.info()["scheduler"]["running_requests"] == 0)
+    after = server.info()["scheduler"]
+    assert after["generated_tokens"] - before["generated_tokens"] < max_tokens
+    assert after["kv_slots_used"] == after["kv_slots_cached"]  # no slot held by a request
+    flushed = httpx.post(f"{server.url}/flush_cache", headers=server.headers)
+    assert flushed.json() == {"success": True}
+    assert server.info()["scheduler"]["kv_slots_used"] == 0
+
+
+def test_server_info_and_metrics(server: ServerProcess) -> None:
+    info = server.info()
+    assert info["server_args"]["api_key"] == "<redacted>"
+    procs = info["processes"]
+    assert {"tokenizer", "scheduler", "model_runner"} <= set(procs)
+    assert {"load_s", "compile_s", "capture_s", "setup_s", "ready_after_s"} <= set(
+        procs["model_runner"])
+    assert info["runner"]["kv_slots"] == info["scheduler"]["kv_slots_total"]
+    assert info["startup_s"] > 0 and Path(info["ipc_dir"]).is_dir()
+
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples['srt_requests_total{finish_reason="length"}'] > 0
+    assert samples["srt_generation_tokens_total"] > 0
+    assert samples["srt_prompt_tokens_total"] > 0
+    assert samples["srt_time_to_first_token_seconds_count"] > 0
+    assert samples["srt_inter_token_latency_seconds_count"] > 0
+    for gauge in ("srt_running_requests", "srt_queued_requests", "srt_kv_cache_usage_ratio",
+                  "srt_captured_buckets", "srt_compile_seconds", "srt_startup_seconds"):
+        assert gauge in samples
