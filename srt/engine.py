@@ -116,6 +116,7 @@ class Engine:
             "startup_s": round(self.startup_s, 3),
             "runner": runner,
             "graphs": runner["graphs"],
+            "compile": runner["compile"],
             "scheduler": self.scheduler.info(),
         }
 

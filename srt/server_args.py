@@ -80,7 +80,9 @@ class ServerArgs:
     disable_cuda_graph: bool = _opt(False, "Run every phase eagerly.")
     enable_torch_compile: bool = _opt(False, "Compile the whole forward per bucket (full).")
     torch_compile_max_bs: int = _opt(32, "Largest bucket compiled by --enable-torch-compile.")
-    compile_cache_dir: str | None = _opt(None, "Compile cache root (default: ~/.cache/srt).")
+    compile_cache_dir: str | None = _opt(
+        None, "Compile cache root (default: ~/.cache/srt/compile)."
+    )
     keep_shape_guards: bool = _opt(False, "Debug: keep Dynamo shape guards after tracing.")
 
     # Server

@@ -1,4 +1,15 @@
-"""Compilation layer: custom ops, split ops, tracing, piecewise compile, cache."""
+"""Compilation layer: custom ops, split ops, tracing, piecewise compile, cache.
+
+- `custom_ops`: `register_custom_op`, `register_split_op`, `custom_ops()`, `split_ops()`.
+- `piecewise_model`: `PiecewiseModel`, the forward traced once and run with no guards.
+- `backend`: the torch.compile backend Dynamo hands the traced graph to.
+- `split`: the split at split ops and the piece signatures (identical pieces share).
+- `piece_compiler`: a piece compiled once for the general shape, `eager` or `inductor`.
+- `dispatch`: per piece, per bucket states and the `Specializer` hook (CUDA graphs plug in).
+- `cache`: the compile cache (four-factor key, checked artifacts, bucket manifest).
+
+Design and how to read the logs: docs/compilation.md.
+"""
 
 from srt.compilation.custom_ops import register_custom_op, register_split_op, split_ops
 

@@ -198,6 +198,7 @@ def create_app(manager: TokenizerManager) -> FastAPI:
             **manager.startup,
             "runner": info.runner,
             "graphs": info.runner["graphs"],
+            "compile": info.runner["compile"],
             "scheduler": info.scheduler,
         }
 

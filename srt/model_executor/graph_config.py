@@ -63,7 +63,7 @@ class PhaseConfig:
 
 
 def _flag(phase: Phase, name: str) -> str:
-    return f"--cuda-graph-{name}-{phase.value}"
+    return f"--cuda-graph-{name.replace('_', '-')}-{phase.value}"
 
 
 def _phase_config(

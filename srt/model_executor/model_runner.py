@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from srt.compilation.cache import CompileCache, collect_factors, default_cache_root
+from srt.compilation.custom_ops import split_ops
+from srt.compilation.piecewise_model import compile_info
 from srt.layers.attention.base import create_attention_backend
 from srt.layers.sampler import SamplingBatch, logprobs_of, sample
 from srt.managers.io_struct import BatchPlan, BatchResult
 from srt.model_config import ModelConfig
+from srt.model_executor.cuda_graph_runner import init_attention_graph_state
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from srt.model_executor.graph_runner import EagerRunner
+from srt.model_executor.graph_config import Backend, resolve_graph_config
+from srt.model_executor.graph_memory import GraphPool
+from srt.model_executor.graph_runner import RunnerEnv, create_phase_runner, phase_mode
 from srt.model_executor.kv_cache import KVCache, kv_bytes_per_token
 from srt.model_executor.model_loader import load_model
 from srt.server_args import ServerArgs
@@ -32,6 +40,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
         torch.manual_seed(args.seed)
+        self.graph_configs = resolve_graph_config(args, self.device.type)  # fail before loading
 
         start = time.perf_counter()
         self.model = load_model(config, self.device, args.load_format, args.seed)
@@ -55,14 +64,22 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             self.attention_backend_name, config.num_heads, config.num_kv_heads, config.head_dim
         )
-        self.phase_runners = {
-            ForwardMode.EXTEND: EagerRunner(self.model),
-            ForwardMode.DECODE: EagerRunner(self.model),
-        }
         logger.info(
             "KV cache: %d slots, %.1f MiB; attention backend %s",
             self.num_slots, self.kv_cache.nbytes / 2**20, self.attention_backend_name,
         )
+        self.graph_pool = GraphPool(self.device, args.cuda_graph_mem_fraction)
+        self.compile_cache = self._open_compile_cache()
+        env = RunnerEnv(self.model, self.attn_backend, self.req_to_token,
+                        args.max_running_requests, self.graph_pool, self.compile_cache, args)
+        self.phase_runners = {
+            phase_mode(phase): create_phase_runner(phase, c, env)
+            for phase, c in self.graph_configs.items()
+        }
+        init_attention_graph_state(self.phase_runners.values(), env)
+        self.piecewise = env.piecewise  # the tc_piecewise phases' compiled model, if any
+        logger.info("split ops: %s", ", ".join(split_ops()))
+        self.capture_s = self._prewarm()
 
     def _kv_slots(self) -> int:
         if self.args.max_total_tokens:
@@ -70,7 +87,9 @@ class ModelRunner:
         if self.device.type != "cuda":
             return CPU_DEFAULT_KV_SLOTS + 1
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * (self.args.mem_fraction_static - self.args.cuda_graph_mem_fraction)
+        graphs = any(c.backend is not Backend.DISABLED for c in self.graph_configs.values())
+        graph_fraction = self.args.cuda_graph_mem_fraction if graphs else 0.0
+        budget = total * (self.args.mem_fraction_static - graph_fraction)
         budget -= total - free
         slots = int(budget // kv_bytes_per_token(self.config))
         if slots < 2:
@@ -113,8 +132,47 @@ class ModelRunner:
             attn_backend=self.attn_backend,
         )
 
+    def _prewarm(self) -> float:
+        """Capture before serving: every bucket (`upfront`) or those the manifest recorded
+        (`manifest`); `lazy` captures nothing now. Returns the seconds it took."""
+        mode = self.args.cuda_graph_capture
+        if mode == "lazy" or self.compile_cache is None:
+            return 0.0
+        recorded = self.compile_cache.manifest.buckets
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for phase, config in self.graph_configs.items():
+                buckets = config.bs if mode == "upfront" else recorded.get(phase.value, [])
+                self.phase_runners[phase_mode(phase)].prewarm(buckets)
+        seconds = time.perf_counter() - start
+        logger.info("%s capture: %d graphs in %.2f s", mode, self.graph_pool.captures, seconds)
+        return seconds
+
+    def _open_compile_cache(self) -> CompileCache | None:
+        """The compile cache entry of this setup (pieces, capture manifest), when any phase
+        compiles or captures."""
+        if all(c.backend is Backend.DISABLED for c in self.graph_configs.values()):
+            return None
+        args = self.args
+        factors = collect_factors(
+            {
+                "model": self.config.hf_config,
+                "dtype": str(self.config.dtype),
+                "attention_backend": self.attention_backend_name,
+                "graphs": {p.value: c.to_dict() for p, c in self.graph_configs.items()},
+                "max_running_requests": args.max_running_requests,
+                "enable_torch_compile": args.enable_torch_compile,
+                "torch_compile_max_bs": args.torch_compile_max_bs,
+                "keep_shape_guards": args.keep_shape_guards,
+            },
+            self.device,
+            Path(inspect.getfile(type(self.model))),
+        )
+        return CompileCache(Path(args.compile_cache_dir or default_cache_root()), factors)
+
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] of each request's last token, through the phase's runner."""
+        """Logits [B, V] of each request's last token, through the phase's runner (valid
+        until the next call: a captured phase returns a view of its static output)."""
         return self.phase_runners[batch.mode].run(batch)
 
     @torch.inference_mode()
@@ -148,8 +206,11 @@ class ModelRunner:
             "kv_cache_bytes": self.kv_cache.nbytes,
             "context_length": self.context_length,
             "load_s": round(self.load_s, 3),
-            "phases": {
-                "prefill": self.phase_runners[ForwardMode.EXTEND].info(),
-                "decode": self.phase_runners[ForwardMode.DECODE].info(),
+            "capture_s": round(self.capture_s, 3),
+            "graph_pool": self.graph_pool.info(),
+            "compile": compile_info(self.piecewise),
+            "graphs": {
+                phase.value: self.phase_runners[phase_mode(phase)].info()
+                for phase in self.graph_configs
             },
         }

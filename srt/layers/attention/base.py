@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from srt.model_executor.forward_batch import ForwardBatch
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
 class AttentionBackend(ABC):
@@ -24,6 +24,49 @@ class AttentionBackend(ABC):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:  # noqa: B027 (optional hook)
         """Prepare per-step metadata, once per forward, before any layer runs."""
+
+    # --- CUDA graph capture (the `full` graph backend) -------------------------------------
+    # The `full` runner captures the whole forward, this backend's kernels included, once per
+    # bucket and replays it for every later batch of that bucket. The protocol, per runner:
+    #   init_graph_state(max_bs, max_tokens)      once, before the first capture, sized for
+    #                                             both phases; never called again
+    #   init_forward_metadata_capture(batch)      before warming up and capturing a bucket
+    #   init_forward_metadata_replay(batch, bucket)  before every replay of that bucket
+    # `batch` is padded to the bucket (`batch.padded_tokens == bucket`; for decode the bucket
+    # is also the request count). Its device tensors are views of the runner's static
+    # buffers, the same addresses at capture and at every replay of a bucket:
+    #   tokens   (input_ids, positions, out_cache_loc) have `bucket` entries; padded tokens
+    #            have id 0, position 0 and KV slot 0 (the dummy slot);
+    #   requests (req_pool_indices, seq_lens, prefix_lens, extend_lens, extend_start_loc) have
+    #            the bucket's request capacity (decode: bucket; prefill: min(bucket,
+    #            max_running_requests)); padded requests use table row 0 with prefix 0 and
+    #            extend_len = seq_len = 1 for decode (extend_start_loc = its token index) or
+    #            0 for prefill (extend_start_loc = num_tokens).
+    # `batch_size`, `num_tokens` and the `*_cpu` lists describe the real requests only; at
+    # capture they are the capture batch's, so nothing captured may depend on them (no host
+    # syncs, no shapes from them). Padded outputs are discarded by the runner. Everything
+    # the graph reads must live in buffers from `init_graph_state`, the batch's static
+    # tensors, `req_to_token` or the KV cache: nothing allocated in a replay hook.
+    # Breakable and tc_piecewise runners never put attention inside a graph: they call the
+    # eager `init_forward_metadata` + `forward` with the live batch, its token tensors padded.
+
+    # Forward modes whose `forward` may run inside a `full` graph; on CUDA the runner rejects
+    # `full` for any other mode at startup, naming the flag.
+    graph_modes: frozenset[ForwardMode] = frozenset()
+
+    def init_graph_state(self, max_bs: int, max_tokens: int) -> None:  # noqa: B027
+        """Allocate the static metadata buffers for captured batches of up to `max_bs`
+        requests and `max_tokens` tokens (optional hook)."""
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        """Metadata for a bucket about to be warmed up and captured, in the static buffers."""
+        self.init_forward_metadata_replay(batch, batch.padded_tokens)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch, bucket: int) -> None:
+        """Refill the static buffers from the live, padded `batch` before a replay of the
+        graph captured for `bucket`. Default: the eager metadata (right for a backend whose
+        forward reads only `batch`)."""
+        self.init_forward_metadata(batch)
 
     @abstractmethod
     def forward(

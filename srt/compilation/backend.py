@@ -1,0 +1,161 @@
+"""The torch.compile backend: Dynamo hands it the traced forward once; it checks that the graph
+is general in the token count, splits it, compiles each distinct piece once per compiler, and
+returns the split graph with its pieces replaced by `Router` slots."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+from torch._dispatch.python import enable_python_dispatcher
+from torch._guards import detect_fake_mode
+from torch._logging import trace_structured
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+
+from srt.compilation.cache import CompileCache
+from srt.compilation.custom_ops import split_ops
+from srt.compilation.dispatch import PieceFn, Router
+from srt.compilation.errors import ShapeSpecializationError
+from srt.compilation.piece_compiler import compile_piece
+from srt.compilation.split import SplitGraph, piece_signature, readable_graph, split_graph
+
+logger = logging.getLogger(__name__)
+
+_HOW = {"eager": "the FX piece as is", "compiled": "compiled", "loaded": "loaded from the cache"}
+MIN_TOKENS = 2  # Dynamo specialises sizes 0 and 1, so the symbolic range starts at 2
+
+
+def check_token_guards(shape_env: ShapeEnv, max_tokens: int) -> None:
+    """Raise if tracing made the graph depend on the token count: any shape guard not implied
+    by the declared range [MIN_TOKENS, max_tokens], other than two inputs' token counts
+    being equal (they are one symbol)."""
+    problems = []
+    for guard in shape_env.guards:
+        expr = guard.expr
+        if isinstance(expr, sympy.Eq) and all(isinstance(a, sympy.Symbol) for a in expr.args):
+            continue
+        declared = {s: ValueRanges(MIN_TOKENS, max_tokens) for s in expr.free_symbols}
+        if bound_sympy(expr, declared).lower is sympy.true:
+            continue
+        problems.append(f"`{expr}` ({str(guard.sloc).strip() or 'unknown location'})")
+    if problems:
+        raise ShapeSpecializationError(
+            "the model forward depends on the token count, so one graph cannot serve every "
+            f"batch size: tracing added the shape guard(s) {'; '.join(problems)}. Remove the "
+            "Python branch on a tensor size (or the size used as a constant) in the forward."
+        )
+
+
+def _piece_args(
+    split: SplitGraph, example_inputs: Sequence[Any], fake_mode: FakeTensorMode
+) -> dict[str, tuple[Any, ...]]:
+    """Each submodule's fake arguments, by running the split graph on fake inputs."""
+    fake_inputs = [
+        fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor)
+        else a
+        for a in example_inputs
+    ]
+    recorded: dict[str, tuple[Any, ...]] = {}
+
+    class Recorder(fx.Interpreter):
+        def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+            recorded[target] = args
+            return super().call_module(target, args, kwargs)
+
+    with fake_mode, enable_python_dispatcher():
+        Recorder(split.module).run(*fake_inputs)
+    return recorded
+
+
+class PiecewiseBackend:
+    def __init__(
+        self, compilers: Sequence[str], cache: CompileCache, router: Router, max_tokens: int,
+        title: str,
+    ) -> None:
+        self.compilers = list(compilers)
+        self.cache = cache
+        self.router = router
+        self.max_tokens = max_tokens
+        self.title = title
+        self.split: SplitGraph | None = None
+        self.signatures: list[str] = []
+        self.general: dict[str, list[PieceFn]] = {}
+        self.pieces_info: list[dict[str, Any]] = []
+        self.compile_s = 0.0
+        self.traces = 0
+
+    @property
+    def cache_hit(self) -> bool | None:
+        """Whether every Inductor piece came from the cache; None without Inductor."""
+        sources = [p[c]["source"] for p in self.pieces_info for c in self.compilers
+                   if c == "inductor" and p[c]["source"] != "shared"]
+        return all(s == "loaded" for s in sources) if sources else None
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
+        start = time.perf_counter()
+        self.traces += 1
+        fake_mode = detect_fake_mode(example_inputs)
+        check_token_guards(fake_mode.shape_env, self.max_tokens)
+        split = split_graph(gm)
+        logger.info(
+            "split at %s: %d compilable pieces, %d split regions",
+            split_ops(), len(split.pieces), len(split.regions),
+        )
+        args = _piece_args(split, example_inputs, fake_mode)
+        self.signatures = [
+            piece_signature(split.module.get_submodule(name), args[name]) for name in split.pieces
+        ]
+        self.pieces_info = [
+            {"piece": i, "submodule": name, "signature": sig}
+            for i, (name, sig) in enumerate(zip(split.pieces, self.signatures, strict=True))
+        ]
+        for compiler in self.compilers:
+            self.general[compiler] = self._compile_pieces(compiler, split, args)
+        for i, name in enumerate(split.pieces):
+            # The instance attribute shadows the submodule: the split graph's code calls
+            # `self.submod_N(...)`, which now goes through the router.
+            split.module.__dict__[name] = self.router.slot(i)
+        self.router.fallback = self.general[self.compilers[0]]
+        self.split = split
+        text = readable_graph(split, self.title, self.signatures)
+        path = self.cache.write_text("computation_graph.py", text)
+        logger.info("split graph written to %s", path)
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": "srt_computation_graph", "encoding": "string"},
+            payload_fn=lambda: text,
+        )
+        self.compile_s = time.perf_counter() - start
+        return split.module
+
+    def _compile_pieces(
+        self, compiler: str, split: SplitGraph, args: dict[str, tuple[Any, ...]]
+    ) -> list[PieceFn]:
+        first_with: dict[str, int] = {}  # signature -> first piece that has it
+        fns: list[PieceFn] = []
+        for i, name in enumerate(split.pieces):
+            sig = self.signatures[i]
+            if sig in first_with:
+                fns.append(fns[first_with[sig]])
+                self.pieces_info[i][compiler] = {"source": "shared", "s": 0.0,
+                                                 "shares": first_with[sig]}
+                logger.info("piece %d (%s), %s: shares the artifact of piece %d",
+                            i, name, compiler, first_with[sig])
+                continue
+            first_with[sig] = i
+            piece = compile_piece(
+                compiler, split.module.get_submodule(name), args[name], self.cache,
+                f"{compiler}-{sig}-t{self.max_tokens}",  # the token range shapes codegen
+            )
+            fns.append(piece.fn)
+            self.pieces_info[i][compiler] = {"source": piece.source, "s": round(piece.seconds, 3)}
+            logger.info("piece %d (%s), %s: %s in %.2f s",
+                        i, name, compiler, _HOW[piece.source], piece.seconds)
+        return fns

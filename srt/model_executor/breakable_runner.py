@@ -1,0 +1,119 @@
+"""The `breakable` graph backend: per bucket, a sequence of CUDA-graph segments split at the
+split ops (the ops marked eager-on-graph with `@register_split_op`: attention).
+
+No compilation. The bucket's forward runs once under a `TorchFunctionMode` that ends the
+current segment at each split op, records the op and its arguments instead of running it,
+and begins the next segment. On replay each segment replays, then its split op runs eagerly
+on the live batch (its metadata from `init_forward_metadata`, as in an eager step), writing
+into the output buffer the captured segments read. All segments share the runner's pool.
+
+The recorded arguments are held without owning their memory (`unowned`), so a captured
+bucket pins nothing in the pool: the next capture may reuse that memory, which is safe
+because graphs of one pool never run concurrently and everything a replay reads across
+segments is written by that same replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map_only
+
+from srt.compilation.custom_ops import split_ops
+from srt.model_executor.forward_batch import ForwardBatch, forward_context
+from srt.model_executor.graph_config import Backend
+from srt.model_executor.graph_memory import CaptureSession, Graph
+from srt.model_executor.graph_runner import BucketRunner, forward_logits
+from srt.model_executor.static_batch import real_requests
+
+
+def unowned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on `t`'s memory that does not keep that memory allocated."""
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), t.device, storage.nbytes()
+    )
+    return t.new_empty(0).set_(alias, t.storage_offset(), t.shape, t.stride())
+
+
+@dataclass
+class SplitCall:
+    op: torch._ops.OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def __call__(self) -> None:
+        self.op(*self.args, **self.kwargs)
+
+
+@dataclass
+class SegmentedGraph:
+    """segments[0], calls[0], segments[1], ..., calls[-1], segments[-1]."""
+
+    segments: list[Graph]
+    calls: list[SplitCall]
+
+    def replay(self) -> None:
+        for segment, call in zip(self.segments, self.calls, strict=False):
+            segment.replay()
+            call()
+        self.segments[-1].replay()
+
+
+class SplitAtOps(TorchFunctionMode):
+    """Ends the capture segment at each call of a split op and records the call unrun."""
+
+    def __init__(self, names: set[str], session: CaptureSession) -> None:
+        super().__init__()
+        self.names = names
+        self.session = session
+        self.segments: list[Graph] = []
+        self.calls: list[SplitCall] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if not (isinstance(func, torch._ops.OpOverload) and func.name() in self.names):
+            return func(*args, **kwargs)
+        if func._schema.returns:
+            raise RuntimeError(
+                f"breakable capture: split op {func.name()} returns a value; a split op must "
+                "write its result into an argument (mutates_args) to be replayed eagerly"
+            )
+        self.segments.append(self.session.end())
+        self.calls.append(SplitCall(func, args, kwargs))
+        self.session.begin()
+        return None
+
+
+class BreakableGraphRunner(BucketRunner):
+    backend = Backend.BREAKABLE
+
+    def warmup(self, padded: ForwardBatch, bucket: int) -> None:
+        batch = real_requests(padded)
+        self.env.attn_backend.init_forward_metadata(batch)
+        with forward_context(batch):
+            self.keep_logits(forward_logits(self.env.model, padded))
+
+    def record(self, padded: ForwardBatch, bucket: int, session: CaptureSession) -> Graph:
+        splitter = SplitAtOps(set(split_ops()), session)
+        with splitter:
+            session.begin()
+            logits = forward_logits(self.env.model, padded)
+            self.logits[: logits.shape[0]].copy_(logits)
+            splitter.segments.append(session.end())
+        calls = [
+            SplitCall(c.op, tree_map_only(torch.Tensor, unowned, c.args),
+                      tree_map_only(torch.Tensor, unowned, c.kwargs))
+            for c in splitter.calls
+        ]
+        return SegmentedGraph(splitter.segments, calls)
+
+    def replay(self, graph: Graph, padded: ForwardBatch, bucket: int) -> torch.Tensor:
+        batch = real_requests(padded)
+        self.env.attn_backend.init_forward_metadata(batch)
+        with forward_context(batch):
+            graph.replay()
+        return self.logits[: padded.batch_size]

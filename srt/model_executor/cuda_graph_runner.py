@@ -1,0 +1,98 @@
+"""The `full` graph backend: one CUDA graph per bucket around the whole forward, logits included.
+
+Inputs live in static buffers sized for the largest bucket (`StaticBatch`); a batch is padded
+to its bucket, padded tokens writing KV to the dummy slot. Attention runs inside the graph, so
+the attention backend keeps its metadata in static buffers (`init_graph_state`) and refills
+them before every replay (`init_forward_metadata_replay`); the logits are copied, inside the
+graph, into one static output buffer shared by all buckets, so no graph pins pool memory.
+
+Prefill: buckets are token counts and the number of requests varies up to the bucket's
+capacity (min(tokens, --max-running-requests)). Only an attention backend that lays a varying
+number of requests out in static buffers can do this (it lists EXTEND in `graph_modes`, as
+`triton` does); with any other, `--cuda-graph-backend-prefill full` is rejected at startup.
+The same holds for decode (`torch_native` reads host-side lengths, so it is never capturable).
+
+`--enable-torch-compile` compiles the forward of each bucket up to `--torch-compile-max-bs`
+(Inductor, static shapes: one specialised graph per bucket) before capturing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from srt.model_executor.forward_batch import ForwardBatch, forward_context
+from srt.model_executor.graph_config import Backend, GraphConfigError, Phase, PhaseConfig
+from srt.model_executor.graph_memory import CaptureSession, Graph
+from srt.model_executor.graph_runner import (
+    BucketRunner,
+    PhaseRunner,
+    RunnerEnv,
+    logits_of,
+    phase_mode,
+)
+
+# Every compiled bucket is one Dynamo cache entry of the same code; the default limit (8)
+# would fall back to eager after the 8th bucket.
+RECOMPILE_LIMIT = 1024
+
+
+class FullGraphRunner(BucketRunner):
+    backend = Backend.FULL
+
+    def __init__(self, phase: Phase, config: PhaseConfig, env: RunnerEnv) -> None:
+        attn = env.attn_backend
+        if env.device.type == "cuda" and phase_mode(phase) not in attn.graph_modes:
+            raise GraphConfigError(
+                f"--cuda-graph-backend-{phase.value} full: the {type(attn).__name__} attention "
+                f"backend cannot run {phase.value} inside a CUDA graph; use breakable or "
+                "tc_piecewise, or an attention backend that can (--attention-backend triton)"
+            )
+        super().__init__(phase, config, env)
+        self.compiled = (
+            torch.compile(logits_of, dynamic=False) if env.args.enable_torch_compile else None
+        )
+
+    def _forward(self, padded: ForwardBatch, bucket: int) -> torch.Tensor:
+        fn, limits = logits_of, contextlib.nullcontext()
+        if self.compiled is not None and bucket <= self.env.args.torch_compile_max_bs:
+            fn, limits = self.compiled, torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
+        with forward_context(padded), limits:
+            return fn(self.env.model, padded.input_ids, padded.positions,
+                      padded.extend_start_loc, padded.extend_lens)
+
+    def warmup(self, padded: ForwardBatch, bucket: int) -> None:
+        self.env.attn_backend.init_forward_metadata_capture(padded)
+        self.keep_logits(self._forward(padded, bucket))
+
+    def record(self, padded: ForwardBatch, bucket: int, session: CaptureSession) -> Graph:
+        session.begin()
+        logits = self._forward(padded, bucket)
+        self.logits[: logits.shape[0]].copy_(logits)
+        return session.end()
+
+    def replay(self, graph: Graph, padded: ForwardBatch, bucket: int) -> torch.Tensor:
+        self.env.attn_backend.init_forward_metadata_replay(padded, bucket)
+        with forward_context(padded):
+            graph.replay()
+        return self.logits[: padded.batch_size]
+
+    def info(self) -> dict[str, Any]:
+        info = super().info()
+        if self.compiled is not None:
+            info["torch_compile_max_bs"] = self.env.args.torch_compile_max_bs
+        return info
+
+
+def init_attention_graph_state(runners: Iterable[PhaseRunner], env: RunnerEnv) -> None:
+    """Size the attention backend's static buffers once for every `full` phase (the backend
+    is shared by both phases, and re-sizing would move buffers that graphs already read)."""
+    full = [r for r in runners if isinstance(r, FullGraphRunner) and r.static is not None]
+    if full:
+        env.attn_backend.init_graph_state(
+            max(r.requests_for(r.config.bs[-1]) for r in full),
+            max(r.config.bs[-1] for r in full),
+        )

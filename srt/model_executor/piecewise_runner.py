@@ -1,0 +1,112 @@
+"""The `tc_piecewise` phase runner: the model traced once, split at the split ops, its pieces
+compiled up front (`--cuda-graph-tc-compiler eager|inductor`), buckets specialised lazily.
+
+Both phases share one `PiecewiseModel` (traced and compiled once, at the first tc_piecewise
+runner's construction, with every compiler a tc_piecewise phase asks for); each phase keeps
+its own `BucketDispatcher`, whose specializer is `PieceGraphs`: a CUDA graph per (piece,
+bucket) on CUDA, the general graph on the CPU. A batch is padded to its bucket (decode: one
+token per request, so the bucket is the batch size too); beyond the largest bucket it runs
+the general graph unpadded. The buckets real batches hit go to the cache's manifest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from srt.compilation.backend import MIN_TOKENS
+from srt.compilation.dispatch import BucketDispatcher, Specializer
+from srt.compilation.piecewise_model import PiecewiseModel
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_context, pad_tokens
+from srt.model_executor.graph_config import Backend, Phase, PhaseConfig, resolve_graph_config
+from srt.model_executor.graph_runner import RunnerEnv, phase_mode
+from srt.model_executor.piece_capture import PieceGraphs
+from srt.model_executor.static_batch import dummy_batch
+
+
+def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
+    """The runner's `PiecewiseModel`, traced and compiled on first use."""
+    if env.piecewise is not None:
+        return env.piecewise
+    if env.cache is None:
+        raise RuntimeError("tc_piecewise needs the compile cache (RunnerEnv.cache)")
+    configs = resolve_graph_config(env.args, env.device.type)
+    tc = [c for c in configs.values() if c.backend is Backend.TC_PIECEWISE]
+    largest = max(c.bs[-1] for c in tc)
+    args = env.args
+    model = PiecewiseModel(
+        env.model,
+        compilers=sorted({c.tc_compiler for c in tc}),
+        cache=env.cache,
+        # Every batch the scheduler forms fits: prefill <= max_prefill_tokens, decode <= the
+        # request count; padding goes up to the largest bucket.
+        max_tokens=max(args.max_prefill_tokens, args.max_running_requests, largest, MIN_TOKENS),
+        keep_shape_guards=args.keep_shape_guards,
+    )
+    # Trace with the largest bucket's size: Inductor tunes the general graph for its hint.
+    batch = dummy_batch(ForwardMode.EXTEND, max(largest, MIN_TOKENS), env.req_to_token,
+                        env.attn_backend)
+    batch.attn_backend.init_forward_metadata(batch)
+    with forward_context(batch):
+        model.trace(batch.input_ids, batch.positions)
+    env.piecewise = model
+    return model
+
+
+class PiecewiseRunner:
+    backend = Backend.TC_PIECEWISE.value
+
+    def __init__(
+        self, phase: Phase, config: PhaseConfig, env: RunnerEnv,
+        specializer: Specializer | None = None,
+    ) -> None:
+        self.phase = phase
+        self.mode = phase_mode(phase)
+        self.config = config
+        self.env = env
+        self.compiled = shared_piecewise_model(env)
+        self.dispatcher = BucketDispatcher(
+            self.compiled.general(config.tc_compiler),
+            specializer or PieceGraphs(env.pool, env.model, phase),
+        )
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, V] of each request's last token."""
+        bucket = self.config.bucket_for(batch.num_tokens)
+        if bucket is not None:
+            self.env.cache.manifest.record(self.phase.value, bucket)
+        return self._forward(batch, bucket)
+
+    def _forward(self, batch: ForwardBatch, bucket: int | None) -> torch.Tensor:
+        if batch.padded_tokens > self.compiled.max_tokens:
+            raise ValueError(
+                f"{self.phase.value}: a batch of {batch.padded_tokens} tokens exceeds the "
+                f"{self.compiled.max_tokens} the graph was compiled for (--max-prefill-tokens)"
+            )
+        if bucket is not None:
+            batch = pad_tokens(batch, bucket)
+        batch.attn_backend.init_forward_metadata(batch)
+        with forward_context(batch):
+            hidden = self.compiled(batch.input_ids, batch.positions, self.dispatcher, bucket)
+        last = batch.extend_start_loc.long() + batch.extend_lens.long() - 1
+        return self.env.model.compute_logits(hidden[last])
+
+    def prewarm(self, buckets: list[int]) -> None:
+        """Specialise `buckets` now with dummy batches: a warm-up hit, then the specialising
+        one (not recorded in the manifest: no traffic asked for them)."""
+        for bucket in sorted(set(buckets) & set(self.config.bs), reverse=True):
+            batch = dummy_batch(self.mode, bucket, self.env.req_to_token, self.env.attn_backend)
+            for _ in range(2):
+                self._forward(batch, bucket)
+
+    def info(self) -> dict[str, Any]:
+        stats = self.dispatcher.bucket_stats()
+        unseen = {"state": "unseen", "hits": 0, "specialise_s": 0.0}
+        return {
+            "backend": self.backend,
+            "tc_compiler": self.config.tc_compiler,
+            "max_bs": self.config.max_bs,
+            "buckets": [{"bucket": b, **stats.get(b, unseen)} for b in self.config.bs],
+            "general_runs": self.dispatcher.general_runs,
+        }

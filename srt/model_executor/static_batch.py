@@ -1,0 +1,143 @@
+"""Static input buffers of a captured phase, and padding a batch into them.
+
+A captured graph reads fixed addresses, so each live batch is copied into buffers sized for
+the phase's largest bucket, padded to its bucket: padded tokens take id 0, position 0 and KV
+slot 0 (the dummy slot); padded requests use table row 0 with prefix 0 and one token each
+(decode) or none (prefill). The padding contract is spelled out in `AttentionBackend`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from srt.layers.attention.base import AttentionBackend
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.kv_cache import DUMMY_SLOT
+
+
+class StaticBatch:
+    def __init__(self, max_tokens: int, max_requests: int, device: torch.device) -> None:
+        def zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=device)
+
+        self.input_ids = zeros(max_tokens, torch.int64)
+        self.positions = zeros(max_tokens, torch.int64)
+        self.out_cache_loc = zeros(max_tokens, torch.int64)
+        self.req_pool_indices = zeros(max_requests, torch.int64)
+        self.seq_lens = zeros(max_requests, torch.int32)
+        self.prefix_lens = zeros(max_requests, torch.int32)
+        self.extend_lens = zeros(max_requests, torch.int32)
+        self.extend_start_loc = zeros(max_requests, torch.int32)
+        self.arange = torch.arange(max_requests, dtype=torch.int32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
+
+    def load(self, batch: ForwardBatch, tokens: int, requests: int) -> ForwardBatch:
+        """Copy `batch` in, padded to `tokens` tokens and `requests` requests; return the padded
+        batch, whose device tensors view the buffers (the same views for every batch of a
+        bucket). Its counts and CPU lists stay those of the real requests."""
+        n, r = batch.num_tokens, batch.batch_size
+        if n > tokens or r > requests:
+            raise ValueError(
+                f"a batch of {r} requests and {n} tokens does not fit a bucket of {requests} "
+                f"requests and {tokens} tokens"
+            )
+        decode = batch.mode == ForwardMode.DECODE
+        for buf, live, pad in (
+            (self.input_ids, batch.input_ids, 0),
+            (self.positions, batch.positions, 0),
+            (self.out_cache_loc, batch.out_cache_loc, DUMMY_SLOT),
+        ):
+            buf[:n].copy_(live[:n])
+            if tokens > n:
+                buf[n:tokens].fill_(pad)
+        pad_len = 1 if decode else 0
+        for buf, live, pad in (
+            (self.req_pool_indices, batch.req_pool_indices, 0),
+            (self.seq_lens, batch.seq_lens, pad_len),
+            (self.prefix_lens, batch.prefix_lens, 0),
+            (self.extend_lens, batch.extend_lens, pad_len),
+        ):
+            buf[:r].copy_(live)
+            if requests > r:
+                buf[r:requests].fill_(pad)
+        self.extend_start_loc[:r].copy_(batch.extend_start_loc)
+        if requests > r:
+            if decode:
+                self.extend_start_loc[r:requests].copy_(self.arange[r:requests])
+            else:
+                self.extend_start_loc[r:requests].fill_(n)
+        return dataclasses.replace(
+            batch,
+            input_ids=self.input_ids[:tokens],
+            positions=self.positions[:tokens],
+            out_cache_loc=self.out_cache_loc[:tokens],
+            req_pool_indices=self.req_pool_indices[:requests],
+            seq_lens=self.seq_lens[:requests],
+            prefix_lens=self.prefix_lens[:requests],
+            extend_lens=self.extend_lens[:requests],
+            extend_start_loc=self.extend_start_loc[:requests],
+        )
+
+
+def real_requests(batch: ForwardBatch) -> ForwardBatch:
+    """`batch` with its per-request tensors cut to the real requests (token tensors stay
+    padded): the form eager attention takes."""
+    r = batch.batch_size
+    return dataclasses.replace(
+        batch,
+        req_pool_indices=batch.req_pool_indices[:r],
+        seq_lens=batch.seq_lens[:r],
+        prefix_lens=batch.prefix_lens[:r],
+        extend_lens=batch.extend_lens[:r],
+        extend_start_loc=batch.extend_start_loc[:r],
+    )
+
+
+def dummy_batch(
+    mode: ForwardMode,
+    tokens: int,
+    req_to_token: torch.Tensor,
+    attn_backend: AttentionBackend,
+) -> ForwardBatch:
+    """A batch of `tokens` tokens to capture a bucket with before any real batch has come:
+    decode, `tokens` requests of one token; prefill, as few requests as the table width allows.
+    Every token writes its KV to the dummy slot; requests read table row 0."""
+    if mode == ForwardMode.DECODE:
+        extend = np.ones(tokens, dtype=np.int64)
+    else:
+        width = req_to_token.shape[1]
+        extend = np.full(-(-tokens // width), width, dtype=np.int64)
+        extend[-1] = tokens - width * (len(extend) - 1)
+    starts = np.concatenate([[0], np.cumsum(extend)[:-1]])
+    positions = np.arange(tokens) - np.repeat(starts, extend)
+    prefix = np.zeros_like(extend)
+    device = req_to_token.device
+
+    def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.as_tensor(a, dtype=dtype, device=device)
+
+    return ForwardBatch(
+        mode=mode,
+        batch_size=len(extend),
+        num_tokens=tokens,
+        input_ids=dev(np.zeros(tokens)),
+        positions=dev(positions),
+        out_cache_loc=dev(np.full(tokens, DUMMY_SLOT)),
+        req_pool_indices=dev(np.zeros(len(extend))),
+        seq_lens=dev(prefix + extend, torch.int32),
+        prefix_lens=dev(prefix, torch.int32),
+        extend_lens=dev(extend, torch.int32),
+        extend_start_loc=dev(starts, torch.int32),
+        seq_lens_cpu=(prefix + extend).tolist(),
+        prefix_lens_cpu=prefix.tolist(),
+        extend_lens_cpu=extend.tolist(),
+        req_pool_indices_cpu=[0] * len(extend),
+        req_to_token=req_to_token,
+        attn_backend=attn_backend,
+    )

@@ -1,0 +1,92 @@
+"""Shared by the tc_piecewise tests: engines with small ladders, hand-made batches, and the
+comparison of a compiled phase runner against the uncompiled forward on the same model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from srt import Engine
+from srt.managers.io_struct import BatchPlan
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.graph_runner import EagerRunner
+from srt.model_executor.model_runner import ModelRunner
+
+LADDERS = {"cuda_graph_bs_prefill": [8, 16], "cuda_graph_bs_decode": [1, 2, 4]}
+PROMPTS = [[1, 5, 7, 9, 11], [3, 4, 5, 6, 7, 8, 9], [10, 20, 30]]
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+SLOTS_PER_REQUEST = 64  # request i owns KV slots 1 + 64 i ...
+
+
+def tc_engine(model: Path, cache: Path, compiler: str, **kwargs: Any) -> Engine:
+    """Both phases tc_piecewise with `compiler`, on the CPU (float32 unless told)."""
+    options = {"dtype": "float32", **LADDERS, **kwargs}
+    return Engine(
+        model_path=str(model), device="cpu", compile_cache_dir=str(cache),
+        cuda_graph_backend_prefill="tc_piecewise", cuda_graph_backend_decode="tc_piecewise",
+        cuda_graph_tc_compiler=compiler, **options,
+    )
+
+
+def greedy_ids(engine: Engine, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    return [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+
+
+def make_batch(
+    runner: ModelRunner, mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int]
+) -> ForwardBatch:
+    """Request i (table row i + 1) computes `tokens[i]` at positions prefix_lens[i]...; its
+    earlier tokens must be in the KV cache from an earlier batch."""
+    ids, pos, slots, rows = [], [], [], []
+    for i, (toks, prefix) in enumerate(zip(tokens, prefix_lens, strict=True)):
+        for j, token in enumerate(toks):
+            ids.append(token)
+            pos.append(prefix + j)
+            slots.append(1 + i * SLOTS_PER_REQUEST + prefix + j)
+            rows.append(i + 1)
+    b = len(tokens)
+
+    def i32(values: Any) -> np.ndarray:
+        return np.asarray(list(values), dtype=np.int32)
+
+    plan = BatchPlan(
+        forward_mode=int(mode), input_ids=i32(ids), positions=i32(pos), out_cache_loc=i32(slots),
+        req_pool_indices=i32(range(1, b + 1)), prefix_lens=i32(prefix_lens),
+        extend_lens=i32(len(t) for t in tokens), table_rows=i32(rows), table_cols=i32(pos),
+        table_slots=i32(slots), temperatures=np.zeros(b, np.float32),
+        top_ps=np.ones(b, np.float32), top_ks=np.zeros(b, np.int64),
+        min_ps=np.zeros(b, np.float32), seeds=np.zeros(b, np.int64),
+    )
+    return runner.make_forward_batch(plan)
+
+
+def scenario(vocab: int) -> list[tuple[ForwardMode, list[list[int]], list[int]]]:
+    """A prefill of three prompts (15 tokens: bucket 16), decode steps of 3, 2 and 1 requests
+    (buckets 4, 2, 1, each hit twice so it is specialised), then a 20-token prefill beyond
+    the largest bucket (the general graph, unpadded)."""
+    lens = [len(p) for p in PROMPTS]
+    steps = [(ForwardMode.EXTEND, PROMPTS, [0, 0, 0])]
+    for n in (3, 3, 2, 2, 1, 1):
+        steps.append((ForwardMode.DECODE, [[(7 * i + n) % vocab] for i in range(n)], lens[:n]))
+        lens = [length + 1 if i < n else length for i, length in enumerate(lens)]
+    steps.append((ForwardMode.EXTEND, [list(range(1, 21))], [0]))
+    return steps
+
+
+@torch.inference_mode()
+def max_logit_error(runner: ModelRunner) -> float:
+    """Run the scenario through `runner`'s phase runners and through the plain forward of the
+    same model (each step on the same KV cache); the largest absolute logit difference."""
+    eager = EagerRunner(runner.model)
+    worst = 0.0
+    for mode, tokens, prefix in scenario(runner.config.vocab_size):
+        batch = make_batch(runner, mode, tokens, prefix)
+        got = runner.forward_logits(batch).clone()
+        want = eager.run(batch)
+        assert got.shape == want.shape == (len(tokens), runner.config.vocab_size)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        worst = max(worst, (got - want).abs().max().item())
+    return worst

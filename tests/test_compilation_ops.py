@@ -1,0 +1,71 @@
+"""Every custom op passes `torch.library.opcheck`, and the same check rejects a fake (meta)
+implementation whose output has the wrong stride or shape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import pytest
+import torch
+
+import srt.layers.attention.layer  # noqa: F401 (defines srt::attention)
+from srt.compilation.custom_ops import custom_ops, register_custom_op, split_ops
+from srt.layers.attention.base import create_attention_backend
+from srt.model_executor.forward_batch import ForwardMode, forward_context
+from srt.model_executor.static_batch import dummy_batch
+
+Sample = tuple[tuple, AbstractContextManager]
+
+
+def attention_sample() -> Sample:
+    heads, kv_heads, head_dim, tokens = 4, 2, 8, 6
+    backend = create_attention_backend("torch_native", heads, kv_heads, head_dim)
+    table = torch.arange(16, dtype=torch.int32).repeat(2, 1)  # row 0 reads slots 0..15
+    batch = dummy_batch(ForwardMode.EXTEND, tokens, table, backend)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(tokens, heads * head_dim, generator=gen)
+    k = torch.randn(tokens, kv_heads * head_dim, generator=gen)
+    v = torch.randn(tokens, kv_heads * head_dim, generator=gen)
+    k_cache = torch.randn(16, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(16, kv_heads, head_dim, generator=gen)
+    return (q, k, v, torch.empty_like(q), k_cache, v_cache, head_dim**-0.5), forward_context(batch)
+
+
+# One sample per op: an op registered without a sample here fails the coverage test.
+SAMPLES: dict[str, Callable[[], Sample]] = {"srt::attention": attention_sample}
+
+
+def test_every_srt_op_has_a_sample() -> None:
+    ours = {name for name in custom_ops() if name.startswith("srt::")}
+    assert ours == set(SAMPLES)
+    assert set(split_ops()) <= ours
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_opcheck(name: str) -> None:
+    args, context = SAMPLES[name]()
+    with context:
+        torch.library.opcheck(custom_ops()[name], args)
+
+
+def _transposed_like(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[1], x.shape[0]).t()  # right shape, column-major strides
+
+
+def _one_row_too_many(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0] + 1, x.shape[1])
+
+
+@pytest.mark.parametrize(("fake", "complaint"), [
+    (_transposed_like, "Stride mismatch"),
+    (_one_row_too_many, "Shapes .* are not equal"),
+])
+def test_opcheck_rejects_a_wrong_fake(fake: Callable, complaint: str) -> None:
+    @register_custom_op(fake.__name__.strip("_"), mutates_args=(), fake_impl=fake,
+                        namespace="srt_test")
+    def copy(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    with pytest.raises(Exception, match=f"test_faketensor failed.*{complaint}"):
+        torch.library.opcheck(copy, (torch.randn(3, 5),))

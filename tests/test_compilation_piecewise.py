@@ -1,0 +1,266 @@
+"""tc_piecewise with the `eager` piece compiler: the split (L regions, L + 1 pieces), the dumped
+graph, trace once (no Dynamo compilation for any later batch size), parity with the uncompiled
+forward, bucket states and the manifest, the cache key and its private directories, and the
+errors for models that cannot be traced once."""
+
+from __future__ import annotations
+
+import json
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from compile_helpers import (
+    LADDERS,
+    PROMPTS,
+    greedy_ids,
+    make_batch,
+    max_logit_error,
+    tc_engine,
+)
+from torch import fx, nn
+
+from srt import Engine
+from srt.compilation.cache import CacheFactors, CompileCache, collect_factors
+from srt.compilation.dispatch import BucketDispatcher
+from srt.compilation.errors import GraphBreakError, ShapeSpecializationError
+from srt.compilation.piecewise_model import PiecewiseModel
+from srt.compilation.split import split_graph
+from srt.model_executor.forward_batch import ForwardMode
+
+Factory = Callable[..., Path]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> list[list[int]]:
+    with Engine(model_path=str(tiny_llama), device="cpu", dtype="float32") as eng:
+        return greedy_ids(eng)
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("compile-cache") / "root"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path, cache_root: Path) -> Iterator[Engine]:
+    with tc_engine(tiny_llama, cache_root, "eager") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def three_layers(tiny_model_factory: Factory, cache_root: Path) -> Iterator[Engine]:
+    with tc_engine(tiny_model_factory("llama", num_layers=3), cache_root, "eager") as eng:
+        yield eng
+
+
+def compile_info(eng: Engine) -> dict:
+    return eng.get_server_info()["compile"]
+
+
+# ---- the split -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["engine", "three_layers"])
+def test_llama_splits_into_one_region_per_layer(name: str, request: pytest.FixtureRequest) -> None:
+    eng: Engine = request.getfixturevalue(name)
+    layers = eng.model_config.num_layers
+    info = compile_info(eng)
+    assert info["split_ops"] == ["srt::attention"]
+    assert (info["num_split_regions"], info["num_pieces"]) == (layers, layers + 1)
+    # First piece (embedding), middle pieces (identical: one artifact), last piece (final norm).
+    assert info["num_unique_pieces"] == 3
+    middle = {p["signature"] for p in info["pieces"][1:-1]}
+    assert len(middle) == 1
+    shared = [p["piece"] for p in info["pieces"] if p["eager"]["source"] == "shared"]
+    assert shared == list(range(2, layers))
+    general = eng.runner.piecewise.general("eager")
+    assert all(general[i] is general[1] for i in shared)
+    assert info["traces"] == 1 and info["total_s"] >= info["compile_s"] > 0
+    assert info["cache_hit"] is None  # nothing to cache with the eager compiler
+
+
+def test_consecutive_split_ops_share_one_region() -> None:
+    attention = torch.ops.srt.attention.default
+
+    def forward(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        q = q * 2
+        attention(q, kv, kv, out, kv, kv, 1.0)
+        attention(q, kv, kv, out, kv, kv, 1.0)
+        return out + q
+
+    split = split_graph(fx.symbolic_trace(forward))
+    assert (len(split.pieces), len(split.regions)) == (2, 1)
+    assert split.submodules == [split.pieces[0], split.regions[0], split.pieces[1]]
+    assert split.region_ops[split.regions[0]] == ["srt::attention"] * 2
+
+
+def test_dumped_graph_names_every_piece(three_layers: Engine) -> None:
+    info = compile_info(three_layers)
+    text = (Path(info["cache_dir"]) / "computation_graph.py").read_text()
+    for piece in info["pieces"]:
+        assert f"{piece['submodule']}: piece {piece['piece']} (compiled" in text
+        assert f"class {piece['submodule']}(torch.nn.Module)" in text
+    for region in range(info["num_split_regions"]):
+        assert f"split region {region} (eager: srt::attention)" in text
+    compile(text, "computation_graph.py", "exec")  # it is Python
+
+
+def test_no_tc_phase_still_reports_the_split_ops(tiny_llama: Path) -> None:
+    with Engine(model_path=str(tiny_llama), device="cpu") as eng:
+        info = eng.get_server_info()["compile"]
+    assert info == {"split_ops": ["srt::attention"], "num_pieces": 0, "num_split_regions": 0,
+                    "dynamo_s": 0.0, "compile_s": 0.0, "total_s": 0.0, "cache_dir": None,
+                    "cache_hit": None}
+
+
+# ---- traced once; parity ---------------------------------------------------------------------
+
+
+def test_every_batch_size_runs_without_a_new_dynamo_compilation(engine: Engine) -> None:
+    runner = engine.runner
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for n in range(1, 21):  # both phases, inside and beyond the ladders
+            runner.forward_logits(make_batch(runner, ForwardMode.EXTEND, [[3] * n], [0]))
+            decode = make_batch(runner, ForwardMode.DECODE, [[4]] * n, [1] * n)
+            runner.forward_logits(decode)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert compile_info(engine)["traces"] == 1
+
+
+def test_greedy_ids_and_logits_match_the_uncompiled_model(
+    engine: Engine, reference: list[list[int]]
+) -> None:
+    assert greedy_ids(engine) == reference
+    assert max_logit_error(engine.runner) <= 1e-5
+
+
+def test_bucket_states_and_the_manifest(tiny_llama: Path, tmp_path: Path) -> None:
+    with tc_engine(tiny_llama, tmp_path, "eager", enable_prefix_caching=False) as eng:
+        one = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+        eng.generate(input_ids=PROMPTS[0], sampling_params=one)  # prefill 5 tokens, 2 decodes
+        graphs = eng.get_server_info()["graphs"]
+        decode = {b["bucket"]: b for b in graphs["decode"]["buckets"]}
+        prefill = {b["bucket"]: b for b in graphs["prefill"]["buckets"]}
+        assert (decode[1]["state"], decode[1]["hits"]) == ("specialised", 2)
+        assert (decode[2]["state"], decode[4]["state"]) == ("unseen", "unseen")
+        assert (prefill[8]["state"], prefill[8]["hits"]) == ("warm", 1)
+        eng.generate(input_ids=PROMPTS[0], sampling_params=one)
+        decode = {b["bucket"]: b for b in eng.get_server_info()["graphs"]["decode"]["buckets"]}
+        assert (decode[1]["state"], decode[1]["hits"]) == ("replayed", 4)
+        eng.generate(input_ids=list(range(1, 30)), sampling_params=one)  # beyond bucket 16
+        assert eng.get_server_info()["graphs"]["prefill"]["general_runs"] == 1
+        manifest = Path(compile_info(eng)["cache_dir"]) / "manifest.json"
+        assert json.loads(manifest.read_text()) == {"buckets": {"prefill": [8], "decode": [1]}}
+
+
+def test_upfront_specialises_every_bucket_before_serving(tiny_llama: Path, tmp_path: Path) -> None:
+    with tc_engine(tiny_llama, tmp_path, "eager", cuda_graph_capture="upfront") as eng:
+        graphs = eng.get_server_info()["graphs"]
+        for phase, ladder in (("prefill", "cuda_graph_bs_prefill"),
+                              ("decode", "cuda_graph_bs_decode")):
+            states = {b["bucket"]: b["state"] for b in graphs[phase]["buckets"]}
+            assert states == dict.fromkeys(LADDERS[ladder], "specialised")
+        # Prewarming is not traffic: the manifest stays empty.
+        assert not (Path(compile_info(eng)["cache_dir"]) / "manifest.json").exists()
+
+
+# ---- the cache key and its directories --------------------------------------------------------
+
+
+def test_cache_key_follows_dtype_and_layer_count(
+    tiny_llama: Path, cache_root: Path, engine: Engine, three_layers: Engine
+) -> None:
+    with tc_engine(tiny_llama, cache_root, "eager", dtype="bfloat16") as bf16:
+        dirs = {compile_info(e)["cache_dir"] for e in (engine, three_layers, bf16)}
+    assert len(dirs) == 3 and all(Path(d).parent == cache_root for d in dirs)
+
+
+def test_cache_key_follows_the_source(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "layer.py").write_text("SCALE = 1\n")
+    model_file = source / "model.py"
+    model_file.write_text("class Model: ...\n")
+
+    def key(root: Path) -> str:
+        return collect_factors({"dtype": "float32"}, torch.device("cpu"), root / "model.py",
+                               source_roots=[root]).key()
+
+    before = key(source)
+    assert key(source) == before
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    for f in source.iterdir():
+        (moved / f.name).write_text(f.read_text())
+    assert key(moved) == before  # where the checkout lives does not matter
+    (source / "layer.py").write_text("SCALE = 2\n")
+    assert key(source) != before
+
+
+def test_cache_directories_are_private(engine: Engine, cache_root: Path) -> None:
+    entry = Path(compile_info(engine)["cache_dir"])
+    for d in (cache_root, entry, entry / "pieces", entry / "inductor"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    for name in ("factors.json", "computation_graph.py"):
+        assert stat.S_IMODE((entry / name).stat().st_mode) == 0o600, name
+    factors = json.loads((entry / "factors.json").read_text())
+    assert set(factors) == {"environment", "config", "code", "compiler"}
+
+
+# ---- models that cannot be traced once ----------------------------------------------------------
+
+
+class Toy(nn.Module):
+    """A token-wise forward `(input_ids, positions) -> hidden`, optionally with a flaw."""
+
+    def __init__(self, flaw: str | None = None) -> None:
+        super().__init__()
+        self.flaw = flaw
+        self.embed = nn.Embedding(32, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids) + positions[:, None]
+        if self.flaw == "shape_branch" and x.shape[0] > 4:
+            x = x * 2
+        if self.flaw == "graph_break":
+            torch._dynamo.graph_break()
+        return self.proj(x)
+
+
+def toy_model(tmp_path: Path, flaw: str | None = None, **kwargs: bool) -> PiecewiseModel:
+    cache = CompileCache(tmp_path, CacheFactors({}, {"toy": flaw}, "toy", {}))
+    return PiecewiseModel(Toy(flaw), compilers=["eager"], cache=cache, max_tokens=64, **kwargs)
+
+
+def tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(n) % 32, torch.arange(n).float()
+
+
+def test_a_shape_branch_fails_the_trace(tmp_path: Path) -> None:
+    model = toy_model(tmp_path, "shape_branch")
+    with pytest.raises(ShapeSpecializationError, match=r"depends on the token count.*`s\d+ > 4`"):
+        model.trace(*tokens(8))
+
+
+def test_a_graph_break_fails_the_trace(tmp_path: Path) -> None:
+    with pytest.raises(GraphBreakError, match="does not trace as one graph"):
+        toy_model(tmp_path, "graph_break").trace(*tokens(8))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_shape_guards_are_dropped_unless_kept(tmp_path: Path, keep: bool) -> None:
+    model = toy_model(tmp_path, keep_shape_guards=keep)
+    model.trace(*tokens(8))
+    dispatcher = BucketDispatcher(model.general("eager"))
+    assert model(*tokens(64), dispatcher, None).shape == (64, 8)
+    if keep:  # debugging: a size outside the traced range [2, 64] fails, naming the guard
+        with pytest.raises(RuntimeError, match=r"fail_on_recompile(.|\n)*<= 64"):
+            model(*tokens(1), dispatcher, None)
+    else:
+        expected = model.compiled._orig_mod(*tokens(1))
+        torch.testing.assert_close(model(*tokens(1), dispatcher, None), expected)

@@ -1,0 +1,417 @@
+"""Graph backends on the CPU: per-phase config precedence and validation, bucket ladders, padding
+into static buffers, and the lazy per-bucket state machine of `full`, `breakable` and the
+tc_piecewise piece capture, with CUDA graph capture replaced by the CPU emulation in
+`graph_emulation` (it replays recorded ops on the captured tensors, so a runner that forgets to
+refill a static buffer, or bakes a host value into a graph, gives different ids)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from graph_emulation import EmulatedCapturer
+
+import srt.model_executor.graph_memory as graph_memory
+from srt import Engine
+from srt.compilation.dispatch import BucketDispatcher
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.graph_config import (
+    Backend,
+    GraphConfigError,
+    Phase,
+    default_decode_ladder,
+    default_prefill_ladder,
+    resolve_graph_config,
+)
+from srt.model_executor.graph_memory import GraphPool
+from srt.model_executor.piece_capture import PieceGraphs
+from srt.model_executor.static_batch import StaticBatch, dummy_batch
+from srt.server_args import ServerArgs
+
+# Three requests that finish after 3, 5 and 8 tokens: decode batches of 3, 2 and 1 requests
+# (3 is padded to bucket 4), and one prefill of 5 + 7 + 3 = 15 tokens (padded to 16).
+PROMPTS = [[1, 5, 7, 9, 11], [3, 4, 5, 6, 7, 8, 9], [10, 20, 30]]
+PARAMS = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in (5, 3, 8)]
+SMALL_LADDERS = {"cuda_graph_bs_decode": [1, 2, 4], "cuda_graph_bs_prefill": [8, 16]}
+
+
+def resolve(device: str = "cpu", **kwargs: Any) -> dict[Phase, Any]:
+    return resolve_graph_config(ServerArgs(**kwargs), device)
+
+
+# ---- configuration ------------------------------------------------------------------------
+
+
+def test_defaults_depend_on_the_device() -> None:
+    cpu, cuda = resolve("cpu"), resolve("cuda")
+    assert cpu[Phase.DECODE].backend is Backend.DISABLED
+    assert cpu[Phase.PREFILL].backend is Backend.DISABLED
+    assert cuda[Phase.DECODE].backend is Backend.FULL
+    assert cuda[Phase.PREFILL].backend is Backend.DISABLED
+
+
+def test_flags_win_over_defaults_and_json_over_flags() -> None:
+    by_flags = resolve("cuda", cuda_graph_backend_decode="breakable", cuda_graph_bs_decode=[1, 3])
+    assert by_flags[Phase.DECODE].backend is Backend.BREAKABLE
+    assert by_flags[Phase.DECODE].bs == [1, 3]
+    both = resolve(
+        "cuda", cuda_graph_backend_decode="breakable", cuda_graph_bs_decode=[1, 3],
+        cuda_graph_config=json.dumps({"decode": {"backend": "tc_piecewise", "bs": [2, 4]},
+                                      "prefill": {"max_bs": 64}}),
+    )
+    decode, prefill = both[Phase.DECODE], both[Phase.PREFILL]
+    assert (decode.backend, decode.bs) == (Backend.TC_PIECEWISE, [2, 4])
+    assert decode.tc_compiler == "eager"
+    assert prefill.backend is Backend.DISABLED and prefill.bs[-1] == 64
+
+
+def test_disable_cuda_graph_turns_every_phase_off() -> None:
+    configs = resolve("cuda", disable_cuda_graph=True, cuda_graph_backend_prefill="full")
+    assert {c.backend for c in configs.values()} == {Backend.DISABLED}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"cuda_graph_backend_decode": "fast"},
+     "--cuda-graph-backend-decode: unknown backend 'fast'"),
+    ({"cuda_graph_config": '{"prefill": {"backend": "fast"}}'},
+     "--cuda-graph-config prefill.backend: unknown backend 'fast'"),
+    ({"cuda_graph_bs_prefill": []}, "--cuda-graph-bs-prefill: the bucket list is empty"),
+    ({"cuda_graph_bs_decode": [1, 4, 4]},
+     "--cuda-graph-bs-decode: buckets must be strictly increasing"),
+    ({"cuda_graph_config": '{"decode": {"bs": [8, 2]}}'},
+     "--cuda-graph-config decode.bs: buckets must be strictly increasing"),
+    ({"cuda_graph_bs_decode": [0, 2]}, "--cuda-graph-bs-decode: buckets must be positive"),
+    ({"cuda_graph_tc_compiler": "inductor"}, "--cuda-graph-tc-compiler: needs"),
+    ({"cuda_graph_config": '{"decode": {"backend": "full", "tc_compiler": "eager"}}'},
+     "--cuda-graph-config decode.tc_compiler: a tc compiler needs backend tc_piecewise"),
+    ({"cuda_graph_backend_prefill": "tc_piecewise", "cuda_graph_tc_compiler": "gcc"},
+     "--cuda-graph-tc-compiler: unknown compiler 'gcc'"),
+    ({"cuda_graph_config": "{"}, "--cuda-graph-config: invalid JSON"),
+    ({"cuda_graph_config": '{"middle": {}}'}, "--cuda-graph-config: expected an object"),
+    ({"cuda_graph_config": '{"decode": {"bss": [1]}}'}, "--cuda-graph-config: unknown key"),
+    ({"cuda_graph_max_bs_decode": 0}, "--cuda-graph-max-bs-decode: must be a positive integer"),
+    ({"cuda_graph_bs_decode": [4, 8], "cuda_graph_max_bs_decode": 2},
+     "--cuda-graph-max-bs-decode: 2 is below the smallest bucket"),
+])
+def test_invalid_settings_name_the_flag(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(GraphConfigError) as err:
+        resolve("cuda", **kwargs)
+    assert str(err.value).startswith(message)
+
+
+def test_engine_rejects_a_bad_flag(tiny_llama: Path) -> None:
+    with pytest.raises(GraphConfigError, match="--cuda-graph-backend-prefill"):
+        Engine(model_path=str(tiny_llama), device="cpu", cuda_graph_backend_prefill="everything")
+
+
+def test_default_ladders_match_the_design() -> None:
+    assert default_decode_ladder() == [1, 2, 4, 8, 12, *range(16, 257, 8)]
+    assert default_prefill_ladder() == [
+        4, 8, 12, 16, 20, 24, 28, 32,
+        *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
+        *range(1280, 4097, 256),
+    ]
+    assert default_decode_ladder()[-3:] == [240, 248, 256]
+    assert default_prefill_ladder()[-2:] == [3840, 4096]
+
+
+def test_ladders_are_clamped_to_max_bs() -> None:
+    configs = resolve(cuda_graph_max_bs_decode=20, cuda_graph_max_bs_prefill=300)
+    assert configs[Phase.DECODE].bs == [1, 2, 4, 8, 12, 16]
+    assert configs[Phase.PREFILL].bs[-2:] == [256, 288]
+    explicit = resolve(cuda_graph_bs_decode=[2, 6, 10], cuda_graph_max_bs_decode=6)
+    assert explicit[Phase.DECODE].bs == [2, 6] and explicit[Phase.DECODE].max_bs == 6
+    decode = configs[Phase.DECODE]
+    assert [decode.bucket_for(n) for n in (1, 3, 12, 13, 16, 17)] == [1, 4, 12, 16, 16, None]
+
+
+# ---- padding into static buffers ---------------------------------------------------------
+
+
+def live_batch(mode: ForwardMode, extend: list[int], prefix: list[int]) -> ForwardBatch:
+    n, rows = sum(extend), list(range(3, 3 + len(extend)))
+    starts = [sum(extend[:i]) for i in range(len(extend))]
+    i32 = torch.int32
+    return ForwardBatch(
+        mode=mode, batch_size=len(extend), num_tokens=n,
+        input_ids=torch.arange(100, 100 + n), positions=torch.arange(n) + 1,
+        out_cache_loc=torch.arange(50, 50 + n), req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor([p + e for p, e in zip(prefix, extend, strict=True)], dtype=i32),
+        prefix_lens=torch.tensor(prefix, dtype=i32), extend_lens=torch.tensor(extend, dtype=i32),
+        extend_start_loc=torch.tensor(starts, dtype=i32),
+        seq_lens_cpu=[p + e for p, e in zip(prefix, extend, strict=True)],
+        prefix_lens_cpu=prefix, extend_lens_cpu=extend, req_pool_indices_cpu=rows,
+        req_to_token=torch.zeros(8, 64, dtype=i32), attn_backend=None,
+    )
+
+
+def test_decode_padding() -> None:
+    static = StaticBatch(max_tokens=8, max_requests=8, device=torch.device("cpu"))
+    padded = static.load(live_batch(ForwardMode.DECODE, [1, 1, 1], [4, 6, 9]), 4, 4)
+    assert padded.input_ids.tolist() == [100, 101, 102, 0]
+    assert padded.positions.tolist() == [1, 2, 3, 0]
+    assert padded.out_cache_loc.tolist() == [50, 51, 52, 0]  # the dummy slot
+    assert padded.req_pool_indices.tolist() == [3, 4, 5, 0]
+    assert padded.seq_lens.tolist() == [5, 7, 10, 1]
+    assert padded.prefix_lens.tolist() == [4, 6, 9, 0]
+    assert padded.extend_lens.tolist() == [1, 1, 1, 1]
+    assert padded.extend_start_loc.tolist() == [0, 1, 2, 3]
+    assert (padded.batch_size, padded.num_tokens, padded.seq_lens_cpu) == (3, 3, [5, 7, 10])
+    assert padded.input_ids.data_ptr() == static.input_ids.data_ptr()
+    # A smaller batch in the same bucket overwrites the previous batch's tail.
+    again = static.load(live_batch(ForwardMode.DECODE, [1], [2]), 4, 4)
+    assert again.input_ids.tolist() == [100, 0, 0, 0]
+    assert again.seq_lens.tolist() == [3, 1, 1, 1]
+    assert again.extend_start_loc.tolist() == [0, 1, 2, 3]
+
+
+def test_prefill_padding() -> None:
+    static = StaticBatch(max_tokens=16, max_requests=4, device=torch.device("cpu"))
+    padded = static.load(live_batch(ForwardMode.EXTEND, [3, 2], [0, 4]), 8, 4)
+    assert padded.input_ids.tolist() == [100, 101, 102, 103, 104, 0, 0, 0]
+    assert padded.out_cache_loc.tolist()[5:] == [0, 0, 0]
+    assert padded.seq_lens.tolist() == [3, 6, 0, 0]  # padded requests are empty
+    assert padded.extend_lens.tolist() == [3, 2, 0, 0]
+    assert padded.extend_start_loc.tolist() == [0, 3, 5, 5]
+    with pytest.raises(ValueError, match="does not fit"):
+        static.load(live_batch(ForwardMode.EXTEND, [6, 6], [0, 0]), 8, 4)
+
+
+def test_dummy_batches_fit_the_table() -> None:
+    table = torch.zeros(4, 10, dtype=torch.int32)
+    decode = dummy_batch(ForwardMode.DECODE, 4, table, None)
+    assert decode.extend_lens_cpu == [1, 1, 1, 1] and decode.out_cache_loc.tolist() == [0] * 4
+    prefill = dummy_batch(ForwardMode.EXTEND, 24, table, None)
+    assert prefill.extend_lens_cpu == [10, 10, 4]
+    assert prefill.positions.tolist() == [*range(10), *range(10), *range(4)]
+    assert prefill.extend_start_loc.tolist() == [0, 10, 20]
+
+
+# ---- the runners, through the Engine, with emulated capture --------------------------------
+
+
+@pytest.fixture
+def capturer(monkeypatch: pytest.MonkeyPatch) -> EmulatedCapturer:
+    emulated = EmulatedCapturer()
+    monkeypatch.setattr(graph_memory, "default_capturer", lambda device: emulated)
+    return emulated
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> list[list[int]]:
+    with Engine(model_path=str(tiny_llama), device="cpu") as eng:
+        return [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+
+
+def make_engine(path: Path, tmp_path: Path, **kwargs: Any) -> Engine:
+    return Engine(model_path=str(path), device="cpu", compile_cache_dir=str(tmp_path / "cache"),
+                  **SMALL_LADDERS, **kwargs)
+
+
+def generate(eng: Engine) -> list[list[int]]:
+    return [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+
+
+def phase_info(eng: Engine, phase: str) -> dict[str, Any]:
+    return eng.get_server_info()["graphs"][phase]
+
+
+def states(eng: Engine, phase: str) -> dict[int, tuple[str, int]]:
+    return {b["bucket"]: (b["state"], b["replays"]) for b in phase_info(eng, phase)["buckets"]}
+
+
+@pytest.mark.parametrize(("decode", "prefill"), [
+    ("full", "full"), ("breakable", "breakable"), ("full", "breakable"), ("breakable", "full"),
+])
+def test_padded_graphs_give_the_eager_ids(
+    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer, reference: list[list[int]],
+    decode: str, prefill: str,
+) -> None:
+    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode=decode,
+                     cuda_graph_backend_prefill=prefill) as eng:
+        assert generate(eng) == reference
+        # Decode: 3 requests (padded to 4) for 2 steps, 2 for 2 steps, 1 for 3 steps.
+        assert states(eng, "decode") == {4: ("captured", 2), 2: ("captured", 2),
+                                         1: ("captured", 3)}
+        assert states(eng, "prefill") == {8: ("unseen", 0), 16: ("captured", 1)}
+        assert capturer.sessions == 4  # each bucket captured exactly once
+        assert capturer.warmups == 4
+        info = eng.get_server_info()
+        assert info["graphs"] == info["runner"]["graphs"]
+        assert info["graphs"]["decode"]["captured"] == [1, 2, 4]
+        # A second round replays (the prefix cache shortens the prefill to 3 tokens: bucket 8).
+        assert generate(eng) == reference
+        assert capturer.sessions == 5
+        assert states(eng, "decode") == {4: ("captured", 4), 2: ("captured", 4),
+                                         1: ("captured", 6)}
+
+
+def test_breakable_splits_at_every_attention(
+    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer, reference: list[list[int]],
+) -> None:
+    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="breakable") as eng:
+        layers = eng.model_config.num_layers
+        assert generate(eng) == reference
+    # One segment before each attention call and one after the last: layers + 1 per capture.
+    assert len(capturer.graphs) == capturer.sessions * (layers + 1) == 3 * (layers + 1)
+
+
+def test_lazy_capture_state_machine(
+    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer,
+) -> None:
+    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full",
+                     cuda_graph_backend_prefill="full", enable_prefix_caching=False) as eng:
+        assert states(eng, "decode") == {1: ("unseen", 0), 2: ("unseen", 0), 4: ("unseen", 0)}
+        one = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+        eng.generate(input_ids=PROMPTS[0], sampling_params=one)  # first hits: capture
+        assert capturer.sessions == 2
+        assert states(eng, "prefill") == {8: ("captured", 1), 16: ("unseen", 0)}
+        assert states(eng, "decode")[1] == ("captured", 2)
+        eng.generate(input_ids=PROMPTS[1], sampling_params=one)  # later hits: replay
+        assert capturer.sessions == 2
+        assert states(eng, "prefill")[8] == ("captured", 2)
+        assert states(eng, "decode")[1] == ("captured", 4)
+        # Beyond the largest bucket: the general (eager) path, nothing captured.
+        eng.generate(input_ids=list(range(1, 21)), sampling_params=one)
+        assert capturer.sessions == 2
+        assert phase_info(eng, "prefill")["uncaptured_runs"] == 1
+        assert states(eng, "prefill") == {8: ("captured", 2), 16: ("unseen", 0)}
+
+
+def test_upfront_captures_every_bucket_before_serving(
+    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer, reference: list[list[int]],
+) -> None:
+    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full",
+                     cuda_graph_backend_prefill="breakable", cuda_graph_capture="upfront") as eng:
+        assert capturer.sessions == 5
+        assert all(s == ("captured", 0) for s in states(eng, "decode").values())
+        assert all(s == ("captured", 0) for s in states(eng, "prefill").values())
+        assert eng.get_server_info()["runner"]["capture_s"] > 0
+        assert generate(eng) == reference
+        assert capturer.sessions == 5
+
+
+def test_manifest_prewarms_the_buckets_the_last_run_hit(
+    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer, reference: list[list[int]],
+) -> None:
+    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full") as eng:
+        eng.generate(input_ids=PROMPTS[:2], sampling_params=PARAMS[:2])  # decode buckets 2, 1
+    assert capturer.sessions == 2
+    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full",
+                     cuda_graph_capture="manifest") as eng:
+        assert capturer.sessions == 4
+        assert states(eng, "decode") == {1: ("captured", 0), 2: ("captured", 0),
+                                         4: ("unseen", 0)}
+        assert generate(eng) == reference  # then lazily: bucket 4 on its first hit
+        assert capturer.sessions == 5
+
+
+def test_over_budget_captures_are_skipped(
+    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer, reference: list[list[int]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    capturer.peak = 10**9  # every warm-up peaks at 1 GB; the budget is 0.05% of 1 TiB
+    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full",
+                     cuda_graph_backend_prefill="breakable",
+                     cuda_graph_mem_fraction=0.0005) as eng:
+        with caplog.at_level(logging.WARNING, logger="srt.model_executor.graph_memory"):
+            assert generate(eng) == reference
+            assert generate(eng) == reference
+        assert capturer.sessions == 0
+        skips = [r for r in caplog.records if "skipping the capture" in r.getMessage()]
+        assert len(skips) == 5  # once per bucket: decode 4, 2, 1; prefill 16, 8
+        assert states(eng, "decode") == {1: ("skipped", 0), 2: ("skipped", 0),
+                                         4: ("skipped", 0)}
+        info = eng.get_server_info()["runner"]["graph_pool"]
+        assert info["skips"] == 5 and info["captures"] == 0
+
+
+def test_without_a_capturer_the_uncaptured_path_runs(
+    tiny_llama: Path, tmp_path: Path, reference: list[list[int]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="srt.model_executor.graph_runner"):
+        eng = make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full",
+                          cuda_graph_backend_prefill="breakable", cuda_graph_capture="upfront")
+    with eng:
+        assert generate(eng) == reference
+        assert generate(eng) == reference
+        notes = [r.getMessage() for r in caplog.records if "nothing to capture" in r.getMessage()]
+        assert len(notes) == 2  # once per phase
+        assert all(s == ("unseen", 0) for s in states(eng, "decode").values())
+        assert phase_info(eng, "decode")["uncaptured_runs"] > 0
+
+
+# ---- tc_piecewise: the piece capture, through the compilation layer's dispatcher -----------
+
+
+def test_piece_graphs_capture_each_piece_bucket_once() -> None:
+    """Two pieces around an eager 'attention' that writes into the first piece's output."""
+    capturer = EmulatedCapturer()
+    pool = GraphPool(torch.device("cpu"), mem_fraction=0.5)
+    pool.capturer = capturer
+    weight = torch.nn.Linear(4, 4)
+    specializer = PieceGraphs(pool, weight, Phase.DECODE)
+    pieces = [
+        lambda x, w: (x @ w, torch.empty_like(x)),
+        lambda h, out, w: (h + out) @ w,
+    ]
+    dispatcher = BucketDispatcher(pieces, specializer)
+
+    def forward(x: torch.Tensor, bucket: int | None) -> torch.Tensor:
+        h, out = dispatcher.run(0, bucket, (x, weight.weight))
+        out.copy_(h.relu() * 2)  # the split op, eager between the pieces
+        return dispatcher.run(1, bucket, (h, out, weight.weight))
+
+    def expected(x: torch.Tensor) -> torch.Tensor:
+        h = x @ weight.weight
+        return (h + h.relu() * 2) @ weight.weight
+
+    with torch.inference_mode():
+        for step in range(5):
+            x = torch.randn(4, 4)
+            torch.testing.assert_close(forward(x, 4), expected(x))
+            if step == 0:
+                assert capturer.sessions == 0  # first hit: the general graph (warm-up)
+        assert capturer.sessions == 2 and specializer.captured == {4: 2}
+        assert capturer.replays == 2 * 4  # hits 2..5 replay both pieces
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(forward(x, None), expected(x))  # no bucket: general
+        assert capturer.sessions == 2
+        # Piece 1 reads piece 0's outputs in place; only the model input x is copied.
+        stats = dispatcher.bucket_stats()[4]
+        assert stats["state"] == "replayed" and stats["hits"] == 5
+
+
+def test_tc_piecewise_piece_graphs_give_the_eager_ids(
+    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer, reference: list[list[int]],
+) -> None:
+    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="tc_piecewise",
+                     cuda_graph_backend_prefill="tc_piecewise") as eng:
+        pieces = eng.model_config.num_layers + 1
+        assert generate(eng) == reference  # first hits: the general graph (warm-up)
+        assert generate(eng) == reference  # second hits capture, later ones replay
+        assert generate(eng) == reference
+        labels = eng.runner.graph_pool.labels
+        # Decode buckets 4, 2, 1 and the prefill bucket 8 (prefix-cached rounds), every piece
+        # captured exactly once.
+        assert capturer.sessions == len(labels) == 4 * pieces and max(labels.values()) == 1
+        assert capturer.replays > 0
+
+
+def test_piece_graphs_decline_over_budget() -> None:
+    capturer = EmulatedCapturer(peak=10**6, total=10**6)
+    pool = GraphPool(torch.device("cpu"), mem_fraction=0.5)
+    pool.capturer = capturer
+    specializer = PieceGraphs(pool, torch.nn.Linear(2, 2), Phase.PREFILL)
+    piece = lambda x: x * 3  # noqa: E731
+    dispatcher = BucketDispatcher([piece], specializer)
+    with torch.inference_mode():
+        for _ in range(3):
+            x = torch.randn(8)
+            torch.testing.assert_close(dispatcher.run(0, 8, (x,)), x * 3)
+    assert capturer.sessions == 0 and specializer.skipped == {8: 1} and pool.skips == 1
