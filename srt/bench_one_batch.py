@@ -130,7 +130,10 @@ def run_once(runner: ModelRunner, reqs: Requests) -> tuple[float, list[float]]:
 def bench(args: ServerArgs, batch_sizes: list[int], input_len: int, output_len: int,
           runs: int, shape: str | None) -> list[dict[str, Any]]:
     config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
+    start = time.perf_counter()
     runner = ModelRunner(args, config)
+    startup_s = time.perf_counter() - start  # load + compile (+ upfront capture)
+    compile_info = runner.info()["compile"]
     graphs = runner.graph_configs
     results = []
     for b in batch_sizes:
@@ -147,6 +150,10 @@ def bench(args: ServerArgs, batch_sizes: list[int], input_len: int, output_len: 
             "prefill_backend": graphs[Phase.PREFILL].backend.value,
             "decode_backend": graphs[Phase.DECODE].backend.value,
             "enable_torch_compile": args.enable_torch_compile,
+            "tc_compiler": graphs[Phase.DECODE].tc_compiler,
+            "startup_s": round(startup_s, 3),
+            "compile_s": compile_info.get("total_s"),
+            "compile_cache_hit": compile_info.get("cache_hit"),
             "batch_size": b,
             "input_len": input_len,
             "output_len": output_len,

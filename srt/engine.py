@@ -8,10 +8,13 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 import uuid
 from typing import Any
+
+import torch
 
 from srt.managers.io_struct import GenerateReq, TokenOutput
 from srt.managers.scheduler import Scheduler
@@ -127,7 +130,11 @@ class Engine:
         """Abort what is in flight and drop the model (frees device memory)."""
         for rid in list(self.scheduler.reqs):
             self.scheduler.abort(rid)
+        device = self.runner.device if self.runner is not None else None
         self.runner = None  # type: ignore[assignment]
+        gc.collect()
+        if device is not None and device.type == "cuda":
+            torch.cuda.empty_cache()  # so the next engine's KV sizing sees the memory free
 
     def __enter__(self) -> Engine:
         return self

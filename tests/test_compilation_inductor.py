@@ -114,6 +114,7 @@ def test_cuda_pieces_with_graphs_match_eager_and_warm_start(
 ) -> None:
     def engine(**kwargs: Any) -> Engine:
         return Engine(model_path=str(tiny_llama), device="cuda", dtype="float32",
+                      max_total_tokens=4096,
                       cuda_graph_bs_prefill=[8, 16], cuda_graph_bs_decode=[1, 2, 4], **kwargs)
 
     with engine(disable_cuda_graph=True) as eager:

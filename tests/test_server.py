@@ -8,12 +8,13 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from server_helpers import ServerProcess
 
-from srt.engine import Engine
-from srt.managers.tokenizer import load_tokenizer
+openai = pytest.importorskip("openai")
+
+from srt.engine import Engine  # noqa: E402
+from srt.managers.tokenizer import load_tokenizer  # noqa: E402
 
 API_KEY = "sk-test-key"
 PROMPT = "The lighthouse keeper woke before the gulls"

@@ -67,9 +67,12 @@ def _flag(phase: Phase, name: str) -> str:
 
 
 def _phase_config(
-    phase: Phase, raw: dict[str, Any], device: str, where: Callable[[str], str]
+    phase: Phase, raw: dict[str, Any], device: str, decode_graph_capable: bool,
+    where: Callable[[str], str],
 ) -> PhaseConfig:
-    default = "full" if phase is Phase.DECODE and device == "cuda" else "disabled"
+    default = "disabled"
+    if phase is Phase.DECODE and device == "cuda":
+        default = "full" if decode_graph_capable else "breakable"
     backend_name = raw.get("backend", default)
     try:
         backend = Backend(backend_name)
@@ -111,8 +114,11 @@ def _phase_config(
     return PhaseConfig(backend, bs, max_bs, tc_compiler)
 
 
-def resolve_graph_config(args: ServerArgs, device: str) -> dict[Phase, PhaseConfig]:
-    """Per-phase configs from the flags. Default: `full` decode on CUDA, else `disabled`."""
+def resolve_graph_config(
+    args: ServerArgs, device: str, decode_graph_capable: bool = True
+) -> dict[Phase, PhaseConfig]:
+    """Per-phase configs from the flags. Default: decode graphs on CUDA (`full` when the
+    attention backend runs decode inside a graph, else `breakable`), prefill `disabled`."""
     try:
         overrides = json.loads(args.cuda_graph_config) if args.cuda_graph_config else {}
     except json.JSONDecodeError as e:
@@ -151,7 +157,7 @@ def resolve_graph_config(args: ServerArgs, device: str) -> dict[Phase, PhaseConf
                 return f"--cuda-graph-config {phase.value}.{key}"
             return "--cuda-graph-tc-compiler" if key == "tc_compiler" else _flag(phase, key)
 
-        configs[phase] = _phase_config(phase, raw, device, where)
+        configs[phase] = _phase_config(phase, raw, device, decode_graph_capable, where)
     if args.cuda_graph_tc_compiler is not None and not any(
         c.backend is Backend.TC_PIECEWISE for c in configs.values()
     ):

@@ -14,7 +14,7 @@ import torch
 from srt.compilation.cache import CompileCache, collect_factors, default_cache_root
 from srt.compilation.custom_ops import split_ops
 from srt.compilation.piecewise_model import compile_info
-from srt.layers.attention.base import create_attention_backend
+from srt.layers.attention.base import attention_backend_class
 from srt.layers.sampler import SamplingBatch, logprobs_of, sample
 from srt.managers.io_struct import BatchPlan, BatchResult
 from srt.model_config import ModelConfig
@@ -40,7 +40,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
         torch.manual_seed(args.seed)
-        self.graph_configs = resolve_graph_config(args, self.device.type)  # fail before loading
+        self.attention_backend_name = args.attention_backend or (
+            "triton" if self.device.type == "cuda" else "torch_native"
+        )
+        attn_cls = attention_backend_class(self.attention_backend_name)
+        self.graph_configs = resolve_graph_config(  # fail before loading
+            args, self.device.type, ForwardMode.DECODE in attn_cls.graph_modes
+        )
 
         start = time.perf_counter()
         self.model = load_model(config, self.device, args.load_format, args.seed)
@@ -58,12 +64,7 @@ class ModelRunner:
             (args.max_running_requests, self.context_length), dtype=torch.int32,
             device=self.device,
         )
-        self.attention_backend_name = args.attention_backend or (
-            "triton" if self.device.type == "cuda" else "torch_native"
-        )
-        self.attn_backend = create_attention_backend(
-            self.attention_backend_name, config.num_heads, config.num_kv_heads, config.head_dim
-        )
+        self.attn_backend = attn_cls(config.num_heads, config.num_kv_heads, config.head_dim)
         logger.info(
             "KV cache: %d slots, %.1f MiB; attention backend %s",
             self.num_slots, self.kv_cache.nbytes / 2**20, self.attention_backend_name,

@@ -85,9 +85,7 @@ class AttentionBackend(ABC):
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 
 
-def create_attention_backend(
-    name: str, num_heads: int, num_kv_heads: int, head_dim: int, **kwargs: object
-) -> AttentionBackend:
+def attention_backend_class(name: str) -> type[AttentionBackend]:
     # Imported on demand so that the CUDA-only backends never load on a CPU machine.
     if name == "torch_native":
         from srt.layers.attention.torch_native import TorchNativeBackend as cls
@@ -99,4 +97,10 @@ def create_attention_backend(
         raise ValueError(
             f"--attention-backend: unknown backend {name!r}; choose one of {ATTENTION_BACKENDS}"
         )
-    return cls(num_heads, num_kv_heads, head_dim, **kwargs)
+    return cls
+
+
+def create_attention_backend(
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int, **kwargs: object
+) -> AttentionBackend:
+    return attention_backend_class(name)(num_heads, num_kv_heads, head_dim, **kwargs)
