@@ -179,6 +179,21 @@ def test_cache_key_follows_dtype_and_layer_count(
     assert len(dirs) == 3 and all(Path(d).parent == cache_root for d in dirs)
 
 
+def test_cache_key_follows_compiler_settings_not_tool_locations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def key() -> str:
+        return collect_factors({"dtype": "float32"}, torch.device("cpu"), Path(__file__)).key()
+
+    before = key()
+    # Inductor itself sets these while compiling for CUDA: a second engine must still hit.
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/cuda/bin/ptxas")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")
+    assert key() == before
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
+    assert key() != before
+
+
 def test_cache_key_follows_the_source(tmp_path: Path) -> None:
     source = tmp_path / "src"
     source.mkdir()

@@ -38,9 +38,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SRT_ROOT = Path(__file__).resolve().parent.parent
-# Environment variables that change what Dynamo, Inductor or Triton generate. Cache locations
-# only say where things are kept, so they are not part of the key.
+# Environment variables that change what Dynamo, Inductor or Triton generate. Cache dirs and
+# tool paths only say where things are (and Inductor sets TRITON_PTXAS_PATH and
+# TRITON_LIBDEVICE_PATH itself while compiling for CUDA, which would change the key mid-process);
+# the compiler factor already pins the versions, so neither is part of the key.
 ENV_PREFIXES = ("TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_")
+ENV_LOCATION_SUFFIXES = ("CACHE_DIR", "_PATH")
 
 
 def default_cache_root() -> Path:
@@ -51,7 +54,7 @@ def default_cache_root() -> Path:
 def environment_factor() -> dict[str, str]:
     return {
         name: value for name, value in sorted(os.environ.items())
-        if name.startswith(ENV_PREFIXES) and not name.endswith("CACHE_DIR")
+        if name.startswith(ENV_PREFIXES) and not name.endswith(ENV_LOCATION_SUFFIXES)
     }
 
 

@@ -160,7 +160,10 @@ class ModelRunner:
                 "model": self.config.hf_config,
                 "dtype": str(self.config.dtype),
                 "attention_backend": self.attention_backend_name,
-                "graphs": {p.value: c.to_dict() for p, c in self.graph_configs.items()},
+                # Not the bucket ladders: artifacts are general over the token range (which
+                # their names carry), so a new ladder reuses them.
+                "graphs": {p.value: [c.backend.value, c.tc_compiler]
+                           for p, c in self.graph_configs.items()},
                 "max_running_requests": args.max_running_requests,
                 "enable_torch_compile": args.enable_torch_compile,
                 "torch_compile_max_bs": args.torch_compile_max_bs,
