@@ -148,6 +148,7 @@ def test_bucket_states_and_the_manifest(tiny_llama: Path, tmp_path: Path) -> Non
         assert (decode[1]["state"], decode[1]["hits"]) == ("specialised", 2)
         assert (decode[2]["state"], decode[4]["state"]) == ("unseen", "unseen")
         assert (prefill[8]["state"], prefill[8]["hits"]) == ("warm", 1)
+        assert (graphs["decode"]["captured"], graphs["prefill"]["captured"]) == ([1], [])
         eng.generate(input_ids=PROMPTS[0], sampling_params=one)
         decode = {b["bucket"]: b for b in eng.get_server_info()["graphs"]["decode"]["buckets"]}
         assert (decode[1]["state"], decode[1]["hits"]) == ("replayed", 4)

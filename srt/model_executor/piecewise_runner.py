@@ -108,5 +108,9 @@ class PiecewiseRunner:
             "tc_compiler": self.config.tc_compiler,
             "max_bs": self.config.max_bs,
             "buckets": [{"bucket": b, **stats.get(b, unseen)} for b in self.config.bs],
+            # The same summary keys as the other graph runners (metrics read them).
+            "captured": [b for b, s in stats.items() if s["state"] in ("specialised", "replayed")],
+            "capture_s": round(sum(s["specialise_s"] for s in stats.values()), 3),
             "general_runs": self.dispatcher.general_runs,
+            "pool_bytes": self.env.pool.bytes,
         }
