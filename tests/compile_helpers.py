@@ -90,3 +90,4 @@ def max_logit_error(runner: ModelRunner) -> float:
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         worst = max(worst, (got - want).abs().max().item())
     return worst
+

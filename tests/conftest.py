@@ -58,3 +58,15 @@ def tiny_qwen2(tiny_model_factory: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tiny_model_factory: Callable[..., Path]) -> Path:
     return tiny_model_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_llama: Path) -> list[list[int]]:
+    """Greedy ids of the tiny llama, uncompiled (compile_helpers' prompts): what every compiled
+    engine must reproduce."""
+    from compile_helpers import greedy_ids
+
+    from srt import Engine
+
+    with Engine(model_path=str(tiny_llama), device="cpu", dtype="float32") as eng:
+        return greedy_ids(eng)

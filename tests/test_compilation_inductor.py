@@ -21,12 +21,6 @@ from srt import Engine
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama: Path) -> list[list[int]]:
-    with Engine(model_path=str(tiny_llama), device="cpu", dtype="float32") as eng:
-        return greedy_ids(eng)
-
-
-@pytest.fixture(scope="module")
 def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("inductor-cache")
 

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -48,6 +49,49 @@ class ForwardBatch:
     @property
     def padded_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+
+def forward_batch_from_host(
+    mode: ForwardMode,
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    out_cache_loc: np.ndarray,
+    req_pool_indices: np.ndarray,
+    prefix_lens: np.ndarray,
+    extend_lens: np.ndarray,
+    req_to_token: torch.Tensor,
+    attn_backend: AttentionBackend,
+) -> ForwardBatch:
+    """A ForwardBatch on `req_to_token`'s device from host arrays (one upload each)."""
+    device = req_to_token.device
+
+    def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device, dtype=dtype,
+                                                            non_blocking=True)
+
+    prefix_lens = prefix_lens.astype(np.int64)
+    extend_lens = extend_lens.astype(np.int64)
+    seq_lens = prefix_lens + extend_lens
+    extend_start = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).astype(np.int64)
+    return ForwardBatch(
+        mode=mode,
+        batch_size=len(extend_lens),
+        num_tokens=len(input_ids),
+        input_ids=dev(input_ids),
+        positions=dev(positions),
+        out_cache_loc=dev(out_cache_loc),
+        req_pool_indices=dev(req_pool_indices),
+        seq_lens=dev(seq_lens, torch.int32),
+        prefix_lens=dev(prefix_lens, torch.int32),
+        extend_lens=dev(extend_lens, torch.int32),
+        extend_start_loc=dev(extend_start, torch.int32),
+        seq_lens_cpu=seq_lens.tolist(),
+        prefix_lens_cpu=prefix_lens.tolist(),
+        extend_lens_cpu=extend_lens.tolist(),
+        req_pool_indices_cpu=req_pool_indices.tolist(),
+        req_to_token=req_to_token,
+        attn_backend=attn_backend,
+    )
 
 
 _current: ForwardBatch | None = None

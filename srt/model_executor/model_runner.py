@@ -19,7 +19,7 @@ from srt.layers.sampler import SamplingBatch, logprobs_of, sample
 from srt.managers.io_struct import BatchPlan, BatchResult
 from srt.model_config import ModelConfig
 from srt.model_executor.cuda_graph_runner import init_attention_graph_state
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_batch_from_host
 from srt.model_executor.graph_config import Backend, resolve_graph_config
 from srt.model_executor.graph_memory import GraphPool
 from srt.model_executor.graph_runner import RunnerEnv, create_phase_runner, phase_mode
@@ -110,27 +110,10 @@ class ModelRunner:
             self.req_to_token[dev(plan.table_rows), dev(plan.table_cols)] = dev(
                 plan.table_slots, torch.int32
             )
-        extend_lens = plan.extend_lens.astype(np.int64)
-        prefix_lens = plan.prefix_lens.astype(np.int64)
-        extend_start = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).astype(np.int64)
-        return ForwardBatch(
-            mode=ForwardMode(plan.forward_mode),
-            batch_size=plan.batch_size,
-            num_tokens=plan.num_tokens,
-            input_ids=dev(plan.input_ids),
-            positions=dev(plan.positions),
-            out_cache_loc=dev(plan.out_cache_loc),
-            req_pool_indices=dev(plan.req_pool_indices),
-            seq_lens=dev(prefix_lens + extend_lens, torch.int32),
-            prefix_lens=dev(prefix_lens, torch.int32),
-            extend_lens=dev(extend_lens, torch.int32),
-            extend_start_loc=dev(extend_start, torch.int32),
-            seq_lens_cpu=(prefix_lens + extend_lens).tolist(),
-            prefix_lens_cpu=prefix_lens.tolist(),
-            extend_lens_cpu=extend_lens.tolist(),
-            req_pool_indices_cpu=plan.req_pool_indices.tolist(),
-            req_to_token=self.req_to_token,
-            attn_backend=self.attn_backend,
+        return forward_batch_from_host(
+            ForwardMode(plan.forward_mode), plan.input_ids, plan.positions, plan.out_cache_loc,
+            plan.req_pool_indices, plan.prefix_lens, plan.extend_lens, self.req_to_token,
+            self.attn_backend,
         )
 
     def _prewarm(self) -> float:

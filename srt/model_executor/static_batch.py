@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from srt.layers.attention.base import AttentionBackend
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_batch_from_host
 from srt.model_executor.kv_cache import DUMMY_SLOT
 
 
@@ -116,28 +116,9 @@ def dummy_batch(
         extend[-1] = tokens - width * (len(extend) - 1)
     starts = np.concatenate([[0], np.cumsum(extend)[:-1]])
     positions = np.arange(tokens) - np.repeat(starts, extend)
-    prefix = np.zeros_like(extend)
-    device = req_to_token.device
-
-    def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.as_tensor(a, dtype=dtype, device=device)
-
-    return ForwardBatch(
-        mode=mode,
-        batch_size=len(extend),
-        num_tokens=tokens,
-        input_ids=dev(np.zeros(tokens)),
-        positions=dev(positions),
-        out_cache_loc=dev(np.full(tokens, DUMMY_SLOT)),
-        req_pool_indices=dev(np.zeros(len(extend))),
-        seq_lens=dev(prefix + extend, torch.int32),
-        prefix_lens=dev(prefix, torch.int32),
-        extend_lens=dev(extend, torch.int32),
-        extend_start_loc=dev(starts, torch.int32),
-        seq_lens_cpu=(prefix + extend).tolist(),
-        prefix_lens_cpu=prefix.tolist(),
-        extend_lens_cpu=extend.tolist(),
-        req_pool_indices_cpu=[0] * len(extend),
-        req_to_token=req_to_token,
-        attn_backend=attn_backend,
+    return forward_batch_from_host(
+        mode, input_ids=np.zeros(tokens, np.int64), positions=positions,
+        out_cache_loc=np.full(tokens, DUMMY_SLOT, np.int64),
+        req_pool_indices=np.zeros(len(extend), np.int64), prefix_lens=np.zeros_like(extend),
+        extend_lens=extend, req_to_token=req_to_token, attn_backend=attn_backend,
     )
