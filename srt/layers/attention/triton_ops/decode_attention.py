@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from srt.layers.attention.triton_ops import dot_precision
+from srt.layers.attention.triton_ops.kv_block import attend_kv_block
 
 BLOCK_N = 64  # keys per inner step; every split is a multiple of it
 MAX_SPLITS = 16  # a power of two: stage 2 loads all chunks as one block
@@ -60,28 +61,15 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        # Every block starts below `end`, so each row sees a finite score in every block.
+        # The one query sits at the last position: every key of the split is visible, and
+        # every block starts below `end`, so each row sees a finite score in every block.
+        query_pos = tl.full([BLOCK_H], 0, dtype=tl.int32) + (seq_len - 1)
         for block in range(start, end, BLOCK_N):
-            offs_n = block + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            slots = tl.load(table + offs_n, mask=mask_n, other=0).to(tl.int64)
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(
-                K + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
-                mask=kv_mask, other=0.0,
+            m_i, l_i, acc = attend_kv_block(
+                q, m_i, l_i, acc, K, V, table, block, end, query_pos, kv_head, offs_d, mask_d,
+                stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2,
+                BLOCK_N, DOT_PRECISION,
             )
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-                mask=kv_mask, other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
 
         tl.store(
             part_out + req * stride_po_req + heads[:, None] * stride_po_head

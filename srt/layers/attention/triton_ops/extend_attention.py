@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from srt.layers.attention.triton_ops import dot_precision
+from srt.layers.attention.triton_ops.kv_block import attend_kv_block
 
 BLOCK_M = 64  # query rows per tile
 BLOCK_N = 64  # keys per inner step
@@ -63,27 +64,11 @@ def _extend_kernel(
         # every row, so each row has a finite score in the first block.
         kv_end = tl.minimum(seq_len, prefix_len + first_row + BLOCK_M)
         for block in range(0, kv_end, BLOCK_N):
-            offs_n = block + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < kv_end
-            slots = tl.load(table + offs_n, mask=mask_n, other=0).to(tl.int64)
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(
-                K + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
-                mask=kv_mask, other=0.0,
+            m_i, l_i, acc = attend_kv_block(
+                q, m_i, l_i, acc, K, V, table, block, kv_end, query_pos, kv_head, offs_d, mask_d,
+                stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2,
+                BLOCK_N, DOT_PRECISION,
             )
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-                mask=kv_mask, other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
