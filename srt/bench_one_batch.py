@@ -145,7 +145,7 @@ def bench(args: ServerArgs, batch_sizes: list[int], input_len: int, output_len: 
         results.append({
             "model": shape or str(args.model_path),
             "dtype": str(config.dtype).removeprefix("torch."),
-            "device": runner.info()["device"],
+            "device": str(runner.device),
             "attention_backend": runner.attention_backend_name,
             "prefill_backend": graphs[Phase.PREFILL].backend.value,
             "decode_backend": graphs[Phase.DECODE].backend.value,

@@ -65,10 +65,6 @@ class SamplingParams:
         check(self.logprobs or not self.top_logprobs_num,
               "top_logprobs_num needs logprobs: true")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)

@@ -51,16 +51,6 @@ def tiny_llama(tiny_model_factory: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2(tiny_model_factory: Callable[..., Path]) -> Path:
-    return tiny_model_factory("qwen2")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3(tiny_model_factory: Callable[..., Path]) -> Path:
-    return tiny_model_factory("qwen3")
-
-
-@pytest.fixture(scope="session")
 def reference(tiny_llama: Path) -> list[list[int]]:
     """Greedy ids of the tiny llama, uncompiled (compile_helpers' prompts): what every compiled
     engine must reproduce."""

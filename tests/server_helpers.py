@@ -21,12 +21,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_state(pid: int) -> str | None:
-    """The /proc state letter of `pid` (R, S, Z...), or None if there is no such process."""
+def _stat_fields(stat: Path) -> list[str] | None:
+    """The fields after the command name of a /proc/<pid>/stat file (state, ppid, ...), or
+    None once the process is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return stat.read_text().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
         return None
+
+
+def process_state(pid: int) -> str | None:
+    """The /proc state letter of `pid` (R, S, Z...), or None if there is no such process."""
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    return fields[0] if fields else None
 
 
 def is_alive(pid: int) -> bool:
@@ -34,15 +41,10 @@ def is_alive(pid: int) -> bool:
 
 
 def child_pids(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
+    return [
+        int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
+        if (fields := _stat_fields(stat)) and int(fields[1]) == pid
+    ]
 
 
 class ServerProcess:

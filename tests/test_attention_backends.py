@@ -16,12 +16,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from srt.layers.attention.base import create_attention_backend
 from srt.layers.attention.torch_native import TorchNativeBackend
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, pad_tokens
+from srt.model_executor.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    forward_batch_from_host,
+    pad_tokens,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,25 +86,13 @@ def make_batch(
         world.v_cache[cached] = torch.randn_like(world.v_cache[cached])
         rows.append(row)
         locs.append(slots[prefix:])
-    prefix_lens = [p for p, _ in specs]
-    extend_lens = [e for _, e in specs]
-    seq_lens = [p + e for p, e in specs]
-    starts = [sum(extend_lens[:i]) for i in range(len(specs))]
-    num_tokens = sum(extend_lens)
-
-    def ints(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    batch = ForwardBatch(
-        mode=mode, batch_size=len(specs), num_tokens=num_tokens,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
-        positions=torch.cat([torch.arange(p, p + e, device=device) for p, e in specs]),
-        out_cache_loc=torch.cat(locs).long(),
-        req_pool_indices=ints(rows, torch.int64), seq_lens=ints(seq_lens),
-        prefix_lens=ints(prefix_lens), extend_lens=ints(extend_lens),
-        extend_start_loc=ints(starts),
-        seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens, extend_lens_cpu=extend_lens,
-        req_pool_indices_cpu=rows, req_to_token=world.req_to_token, attn_backend=None,
+    num_tokens = sum(e for _, e in specs)
+    batch = forward_batch_from_host(
+        mode, input_ids=np.zeros(num_tokens, np.int64),
+        positions=np.concatenate([np.arange(p, p + e) for p, e in specs]),
+        out_cache_loc=torch.cat(locs).cpu().numpy(), req_pool_indices=np.array(rows),
+        prefix_lens=np.array([p for p, _ in specs]), extend_lens=np.array([e for _, e in specs]),
+        req_to_token=world.req_to_token, attn_backend=None,
     )
     batch = pad_tokens(batch, padded_tokens or num_tokens)
     t = batch.padded_tokens

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
 from srt.compilation.custom_ops import split_ops
 from srt.layers.attention.base import create_attention_backend
 from srt.layers.attention.layer import attention_op
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_context, pad_tokens
+from srt.model_executor.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    forward_batch_from_host,
+    forward_context,
+    pad_tokens,
+)
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 NUM_SLOTS = 64
@@ -56,29 +63,14 @@ def make_case(device: str, dtype: torch.dtype = torch.float32) -> Case:
         new_v.append(values[-1][prefix:])
         locs.append(seq_slots[prefix:])
     num_tokens = sum(e for _, e in REQUESTS)
-    prefix_lens = [p for p, _ in REQUESTS]
-    extend_lens = [e for _, e in REQUESTS]
-    starts = [sum(extend_lens[:i]) for i in range(len(REQUESTS))]
-
-    def ints(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    batch = ForwardBatch(
-        mode=ForwardMode.EXTEND,
-        batch_size=len(REQUESTS),
-        num_tokens=num_tokens,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
-        positions=torch.cat([torch.arange(p, p + e) for p, e in REQUESTS]).to(device),
-        out_cache_loc=torch.cat(locs).long(),
-        req_pool_indices=ints(list(range(len(REQUESTS))), torch.int64),
-        seq_lens=ints([p + e for p, e in REQUESTS]),
-        prefix_lens=ints(prefix_lens),
-        extend_lens=ints(extend_lens),
-        extend_start_loc=ints(starts),
-        seq_lens_cpu=[p + e for p, e in REQUESTS],
-        prefix_lens_cpu=prefix_lens,
-        extend_lens_cpu=extend_lens,
-        req_pool_indices_cpu=list(range(len(REQUESTS))),
+    batch = forward_batch_from_host(
+        ForwardMode.EXTEND,
+        input_ids=np.zeros(num_tokens, np.int64),
+        positions=np.concatenate([np.arange(p, p + e) for p, e in REQUESTS]),
+        out_cache_loc=torch.cat(locs).cpu().numpy(),
+        req_pool_indices=np.arange(len(REQUESTS)),
+        prefix_lens=np.array([p for p, _ in REQUESTS]),
+        extend_lens=np.array([e for _, e in REQUESTS]),
         req_to_token=req_to_token,
         attn_backend=create_attention_backend("torch_native", HEADS, KV_HEADS, HEAD_DIM),
     )

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from graph_emulation import EmulatedCapturer
@@ -18,7 +19,7 @@ from graph_emulation import EmulatedCapturer
 import srt.model_executor.graph_memory as graph_memory
 from srt import Engine
 from srt.compilation.dispatch import BucketDispatcher
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_batch_from_host
 from srt.model_executor.graph_config import (
     Backend,
     GraphConfigError,
@@ -133,19 +134,12 @@ def test_ladders_are_clamped_to_max_bs() -> None:
 
 
 def live_batch(mode: ForwardMode, extend: list[int], prefix: list[int]) -> ForwardBatch:
-    n, rows = sum(extend), list(range(3, 3 + len(extend)))
-    starts = [sum(extend[:i]) for i in range(len(extend))]
-    i32 = torch.int32
-    return ForwardBatch(
-        mode=mode, batch_size=len(extend), num_tokens=n,
-        input_ids=torch.arange(100, 100 + n), positions=torch.arange(n) + 1,
-        out_cache_loc=torch.arange(50, 50 + n), req_pool_indices=torch.tensor(rows),
-        seq_lens=torch.tensor([p + e for p, e in zip(prefix, extend, strict=True)], dtype=i32),
-        prefix_lens=torch.tensor(prefix, dtype=i32), extend_lens=torch.tensor(extend, dtype=i32),
-        extend_start_loc=torch.tensor(starts, dtype=i32),
-        seq_lens_cpu=[p + e for p, e in zip(prefix, extend, strict=True)],
-        prefix_lens_cpu=prefix, extend_lens_cpu=extend, req_pool_indices_cpu=rows,
-        req_to_token=torch.zeros(8, 64, dtype=i32), attn_backend=None,
+    n = sum(extend)
+    return forward_batch_from_host(
+        mode, input_ids=np.arange(100, 100 + n), positions=np.arange(n) + 1,
+        out_cache_loc=np.arange(50, 50 + n), req_pool_indices=np.arange(3, 3 + len(extend)),
+        prefix_lens=np.array(prefix), extend_lens=np.array(extend),
+        req_to_token=torch.zeros(8, 64, dtype=torch.int32), attn_backend=None,
     )
 
 

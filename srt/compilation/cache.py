@@ -67,9 +67,13 @@ def source_files(roots: Iterable[Path]) -> list[Path]:
     return sorted(files)
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def code_factor(files: Sequence[Path]) -> str:
     """A hash of the files' contents, wherever the checkout lives (a fresh clone still hits)."""
-    contents = sorted(hashlib.sha256(path.read_bytes()).hexdigest() for path in files)
+    contents = sorted(_sha256(path) for path in files)
     return hashlib.sha256("".join(contents).encode()).hexdigest()
 
 
@@ -144,10 +148,6 @@ def write_private(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class CompileCache:

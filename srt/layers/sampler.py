@@ -23,10 +23,6 @@ class SamplingBatch:
     seeds: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64, the position of the token being sampled
 
-    @property
-    def batch_size(self) -> int:
-        return self.temperatures.shape[0]
-
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
     # Integer mixer on 32-bit values held in int64, so no product overflows.

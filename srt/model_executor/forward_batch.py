@@ -51,6 +51,13 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
 
+def to_device(
+    a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """Host array `a` as a `dtype` tensor on `device`."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device, dtype=dtype, non_blocking=True)
+
+
 def forward_batch_from_host(
     mode: ForwardMode,
     input_ids: np.ndarray,
@@ -66,8 +73,7 @@ def forward_batch_from_host(
     device = req_to_token.device
 
     def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device, dtype=dtype,
-                                                            non_blocking=True)
+        return to_device(a, device, dtype)
 
     prefix_lens = prefix_lens.astype(np.int64)
     extend_lens = extend_lens.astype(np.int64)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from srt.compilation.piece_compiler import COMPILERS
 from srt.server_args import ServerArgs
 
 
@@ -25,9 +26,6 @@ class Backend(enum.StrEnum):
     FULL = "full"
     BREAKABLE = "breakable"
     TC_PIECEWISE = "tc_piecewise"
-
-
-TC_COMPILERS = ("eager", "inductor")
 
 
 def default_decode_ladder() -> list[int]:
@@ -56,10 +54,6 @@ class PhaseConfig:
             if b >= n:
                 return b
         return None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend.value, "bs": self.bs, "max_bs": self.max_bs,
-                "tc_compiler": self.tc_compiler}
 
 
 def _flag(phase: Phase, name: str) -> str:
@@ -106,10 +100,10 @@ def _phase_config(
         )
     if backend is Backend.TC_PIECEWISE:
         tc_compiler = tc_compiler or "eager"
-        if tc_compiler not in TC_COMPILERS:
+        if tc_compiler not in COMPILERS:
             raise GraphConfigError(
                 f"{where('tc_compiler')}: unknown compiler {tc_compiler!r}; "
-                f"choose one of {TC_COMPILERS}"
+                f"choose one of {COMPILERS}"
             )
     return PhaseConfig(backend, bs, max_bs, tc_compiler)
 

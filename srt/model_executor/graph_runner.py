@@ -55,7 +55,16 @@ def logits_of(
     extend_lens: torch.Tensor,
 ) -> torch.Tensor:
     """`forward_logits` on tensors only (what torch.compile traces)."""
-    hidden = model(input_ids, positions)
+    return last_token_logits(model, model(input_ids, positions), extend_start_loc, extend_lens)
+
+
+def last_token_logits(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    extend_lens: torch.Tensor,
+) -> torch.Tensor:
+    """Logits [B, V] from the hidden states of every token: each request's last one."""
     return model.compute_logits(hidden[extend_start_loc.long() + extend_lens.long() - 1])
 
 
@@ -74,6 +83,7 @@ class RunnerEnv:
     pool: GraphPool
     cache: CompileCache | None  # pieces and the bucket manifest; None when all phases are eager
     args: ServerArgs
+    configs: dict[Phase, PhaseConfig]  # both phases' (tc_piecewise compiles for both at once)
     piecewise: PiecewiseModel | None = None  # traced once by the first tc_piecewise runner
 
     @property

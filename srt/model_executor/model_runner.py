@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from srt.compilation.cache import CompileCache, collect_factors, default_cache_root
@@ -19,7 +18,12 @@ from srt.layers.sampler import SamplingBatch, logprobs_of, sample
 from srt.managers.io_struct import BatchPlan, BatchResult
 from srt.model_config import ModelConfig
 from srt.model_executor.cuda_graph_runner import init_attention_graph_state
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_batch_from_host
+from srt.model_executor.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    forward_batch_from_host,
+    to_device,
+)
 from srt.model_executor.graph_config import Backend, resolve_graph_config
 from srt.model_executor.graph_memory import GraphPool
 from srt.model_executor.graph_runner import RunnerEnv, create_phase_runner, phase_mode
@@ -72,7 +76,8 @@ class ModelRunner:
         self.graph_pool = GraphPool(self.device, args.cuda_graph_mem_fraction)
         self.compile_cache = self._open_compile_cache()
         env = RunnerEnv(self.model, self.attn_backend, self.req_to_token,
-                        args.max_running_requests, self.graph_pool, self.compile_cache, args)
+                        args.max_running_requests, self.graph_pool, self.compile_cache, args,
+                        self.graph_configs)
         self.phase_runners = {
             phase_mode(phase): create_phase_runner(phase, c, env)
             for phase, c in self.graph_configs.items()
@@ -102,14 +107,10 @@ class ModelRunner:
 
     def make_forward_batch(self, plan: BatchPlan) -> ForwardBatch:
         """Copy a plan to the device and apply its request-to-token table writes."""
-
-        def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device, dtype=dtype, non_blocking=True)
-
         if len(plan.table_rows):
-            self.req_to_token[dev(plan.table_rows), dev(plan.table_cols)] = dev(
-                plan.table_slots, torch.int32
-            )
+            rows = to_device(plan.table_rows, self.device)
+            cols = to_device(plan.table_cols, self.device)
+            self.req_to_token[rows, cols] = to_device(plan.table_slots, self.device, torch.int32)
         return forward_batch_from_host(
             ForwardMode(plan.forward_mode), plan.input_ids, plan.positions, plan.out_cache_loc,
             plan.req_pool_indices, plan.prefix_lens, plan.extend_lens, self.req_to_token,

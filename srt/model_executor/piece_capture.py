@@ -6,10 +6,10 @@ callable and this hit's arguments (see `srt.compilation.dispatch`). `PieceGraphs
 `general(*args)` into the runner's one graph pool and returns the replay. Attention runs
 eagerly between pieces, as the opaque split op.
 
-Arguments: weights and buffers (the model's own tensors), the runner's static input buffers
-(`fixed_inputs`) and the outputs of pieces already captured for the bucket keep their
-addresses from hit to hit, so the graph reads them in place; any other tensor is copied into
-a static buffer, allocated outside the pool, before each replay.
+Arguments: weights and buffers (the model's own tensors) and the outputs of pieces already
+captured for the bucket keep their addresses from hit to hit, so the graph reads them in
+place; any other tensor is copied into a static buffer, allocated outside the pool, before
+each replay.
 
 Outputs live in the pool. A replay returns tensors that do not own that memory (vLLM does
 the same with weak references), so a captured bucket pins nothing and later captures reuse
@@ -21,7 +21,6 @@ of one pool never run concurrently.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from itertools import chain
 from typing import Any
 
@@ -29,28 +28,20 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from srt.compilation.dispatch import PieceFn
 from srt.model_executor.breakable_runner import unowned
 from srt.model_executor.graph_config import Phase
 from srt.model_executor.graph_memory import CaptureSession, GraphPool
-
-PieceFn = Callable[..., Any]
 
 
 class PieceGraphs:
     """A `Specializer` (srt.compilation.dispatch) capturing CUDA graphs for one phase."""
 
-    def __init__(
-        self, pool: GraphPool, model: nn.Module, phase: Phase,
-        fixed_inputs: Iterable[torch.Tensor] = (),
-    ) -> None:
-        """`fixed_inputs`: buffers the runner feeds the model from (its static inputs, which
-        it refills before each forward), read in place like the weights."""
+    def __init__(self, pool: GraphPool, model: nn.Module, phase: Phase) -> None:
         self.pool = pool
         self.phase = phase
         # Weights and buffers (the KV cache included) are the same tensors every hit.
-        self.fixed = {
-            t.data_ptr() for t in chain(model.parameters(), model.buffers(), fixed_inputs)
-        }
+        self.fixed = {t.data_ptr() for t in chain(model.parameters(), model.buffers())}
         self.outputs: dict[int, set[int]] = {}  # per bucket: addresses of captured outputs
         self.captured: dict[int, int] = {}  # per bucket: pieces captured
         self.skipped: dict[int, int] = {}  # per bucket: pieces left on the general graph

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from srt.compilation.backend import MIN_TOKENS
-from srt.compilation.dispatch import BucketDispatcher, Specializer
+from srt.compilation.dispatch import BucketDispatcher
 from srt.compilation.piecewise_model import PiecewiseModel
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_context, pad_tokens
-from srt.model_executor.graph_config import Backend, Phase, PhaseConfig, resolve_graph_config
-from srt.model_executor.graph_runner import RunnerEnv, phase_mode
+from srt.model_executor.graph_config import Backend, Phase, PhaseConfig
+from srt.model_executor.graph_runner import RunnerEnv, last_token_logits, phase_mode
 from srt.model_executor.piece_capture import PieceGraphs
 from srt.model_executor.static_batch import dummy_batch
 
@@ -31,8 +31,7 @@ def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
         return env.piecewise
     if env.cache is None:
         raise RuntimeError("tc_piecewise needs the compile cache (RunnerEnv.cache)")
-    configs = resolve_graph_config(env.args, env.device.type)
-    tc = [c for c in configs.values() if c.backend is Backend.TC_PIECEWISE]
+    tc = [c for c in env.configs.values() if c.backend is Backend.TC_PIECEWISE]
     largest = max(c.bs[-1] for c in tc)
     args = env.args
     model = PiecewiseModel(
@@ -57,10 +56,7 @@ def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
 class PiecewiseRunner:
     backend = Backend.TC_PIECEWISE.value
 
-    def __init__(
-        self, phase: Phase, config: PhaseConfig, env: RunnerEnv,
-        specializer: Specializer | None = None,
-    ) -> None:
+    def __init__(self, phase: Phase, config: PhaseConfig, env: RunnerEnv) -> None:
         self.phase = phase
         self.mode = phase_mode(phase)
         self.config = config
@@ -68,7 +64,7 @@ class PiecewiseRunner:
         self.compiled = shared_piecewise_model(env)
         self.dispatcher = BucketDispatcher(
             self.compiled.general(config.tc_compiler),
-            specializer or PieceGraphs(env.pool, env.model, phase),
+            PieceGraphs(env.pool, env.model, phase),
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -89,8 +85,7 @@ class PiecewiseRunner:
         batch.attn_backend.init_forward_metadata(batch)
         with forward_context(batch):
             hidden = self.compiled(batch.input_ids, batch.positions, self.dispatcher, bucket)
-        last = batch.extend_start_loc.long() + batch.extend_lens.long() - 1
-        return self.env.model.compute_logits(hidden[last])
+        return last_token_logits(self.env.model, hidden, batch.extend_start_loc, batch.extend_lens)
 
     def prewarm(self, buckets: list[int]) -> None:
         """Specialise `buckets` now with dummy batches: a warm-up hit, then the specialising

@@ -101,6 +101,6 @@ def attention_backend_class(name: str) -> type[AttentionBackend]:
 
 
 def create_attention_backend(
-    name: str, num_heads: int, num_kv_heads: int, head_dim: int, **kwargs: object
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> AttentionBackend:
-    return attention_backend_class(name)(num_heads, num_kv_heads, head_dim, **kwargs)
+    return attention_backend_class(name)(num_heads, num_kv_heads, head_dim)
