@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 _EMPTY = np.zeros(0, dtype=np.int32)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared in queue lookups on the hot path
 class Req:
     rid: str
     input_ids: list[int]
