@@ -54,10 +54,13 @@ def filter_probs(
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits: [B, V] float32 -> token ids [B] int64."""
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, all_greedy: bool | None = None
+) -> torch.Tensor:
+    """logits: [B, V] float32 -> token ids [B] int64. `all_greedy`, when the caller knows it
+    from the host, saves a device round trip."""
     greedy = logits.argmax(dim=-1)
-    if bool((batch.temperatures == 0).all()):
+    if all_greedy if all_greedy is not None else bool((batch.temperatures == 0).all()):
         return greedy
     temps = torch.where(batch.temperatures > 0, batch.temperatures, 1.0)
     probs = torch.softmax(logits / temps[:, None], dim=-1)

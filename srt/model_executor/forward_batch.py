@@ -51,11 +51,15 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
 
-def to_device(
-    a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64
-) -> torch.Tensor:
-    """Host array `a` as a `dtype` tensor on `device`."""
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device, dtype=dtype, non_blocking=True)
+def to_device_packed(
+    arrays: list[np.ndarray], device: torch.device, dtype: torch.dtype = torch.int64
+) -> list[torch.Tensor]:
+    """1-D host arrays as `dtype` (int64 or float32) tensors on `device`, in one copy: a step's
+    inputs are a dozen small arrays, and each copy costs a host-device round trip."""
+    np_dtype = np.int64 if dtype == torch.int64 else np.float32
+    packed = torch.from_numpy(np.concatenate(arrays).astype(np_dtype, copy=False))
+    return list(packed.to(device, dtype=dtype, non_blocking=True)
+                .split([len(a) for a in arrays]))
 
 
 def forward_batch_from_host(
@@ -69,28 +73,29 @@ def forward_batch_from_host(
     req_to_token: torch.Tensor,
     attn_backend: AttentionBackend,
 ) -> ForwardBatch:
-    """A ForwardBatch on `req_to_token`'s device from host arrays (one upload each)."""
-    device = req_to_token.device
-
-    def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return to_device(a, device, dtype)
-
+    """A ForwardBatch on `req_to_token`'s device from host arrays (uploaded in one copy)."""
     prefix_lens = prefix_lens.astype(np.int64)
     extend_lens = extend_lens.astype(np.int64)
     seq_lens = prefix_lens + extend_lens
     extend_start = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).astype(np.int64)
+    ids, pos, locs, rows, lens = to_device_packed(
+        [input_ids, positions, out_cache_loc, req_pool_indices,
+         np.concatenate([seq_lens, prefix_lens, extend_lens, extend_start])],
+        req_to_token.device,
+    )
+    seq, prefix, extend, start = lens.to(torch.int32).split(len(extend_lens))
     return ForwardBatch(
         mode=mode,
         batch_size=len(extend_lens),
         num_tokens=len(input_ids),
-        input_ids=dev(input_ids),
-        positions=dev(positions),
-        out_cache_loc=dev(out_cache_loc),
-        req_pool_indices=dev(req_pool_indices),
-        seq_lens=dev(seq_lens, torch.int32),
-        prefix_lens=dev(prefix_lens, torch.int32),
-        extend_lens=dev(extend_lens, torch.int32),
-        extend_start_loc=dev(extend_start, torch.int32),
+        input_ids=ids,
+        positions=pos,
+        out_cache_loc=locs,
+        req_pool_indices=rows,
+        seq_lens=seq,
+        prefix_lens=prefix,
+        extend_lens=extend,
+        extend_start_loc=start,
         seq_lens_cpu=seq_lens.tolist(),
         prefix_lens_cpu=prefix_lens.tolist(),
         extend_lens_cpu=extend_lens.tolist(),

@@ -22,7 +22,7 @@ from srt.model_executor.forward_batch import (
     ForwardBatch,
     ForwardMode,
     forward_batch_from_host,
-    to_device,
+    to_device_packed,
 )
 from srt.model_executor.graph_config import Backend, resolve_graph_config
 from srt.model_executor.graph_memory import GraphPool
@@ -108,9 +108,10 @@ class ModelRunner:
     def make_forward_batch(self, plan: BatchPlan) -> ForwardBatch:
         """Copy a plan to the device and apply its request-to-token table writes."""
         if len(plan.table_rows):
-            rows = to_device(plan.table_rows, self.device)
-            cols = to_device(plan.table_cols, self.device)
-            self.req_to_token[rows, cols] = to_device(plan.table_slots, self.device, torch.int32)
+            rows, cols, slots = to_device_packed(
+                [plan.table_rows, plan.table_cols, plan.table_slots], self.device
+            )
+            self.req_to_token[rows, cols] = slots.to(torch.int32)
         return forward_batch_from_host(
             ForwardMode(plan.forward_mode), plan.input_ids, plan.positions, plan.out_cache_loc,
             plan.req_pool_indices, plan.prefix_lens, plan.extend_lens, self.req_to_token,
@@ -167,15 +168,13 @@ class ModelRunner:
     def forward(self, plan: BatchPlan) -> BatchResult:
         batch = self.make_forward_batch(plan)
         logits = self.forward_logits(batch)
-        sampling = SamplingBatch(
-            temperatures=torch.from_numpy(plan.temperatures).to(self.device),
-            top_ps=torch.from_numpy(plan.top_ps).to(self.device),
-            top_ks=torch.from_numpy(plan.top_ks).to(self.device),
-            min_ps=torch.from_numpy(plan.min_ps).to(self.device),
-            seeds=torch.from_numpy(plan.seeds).to(self.device),
-            positions=batch.seq_lens.long(),
+        temperatures, top_ps, min_ps = to_device_packed(
+            [plan.temperatures, plan.top_ps, plan.min_ps], self.device, torch.float32
         )
-        next_ids = sample(logits, sampling)
+        top_ks, seeds = to_device_packed([plan.top_ks, plan.seeds], self.device)
+        sampling = SamplingBatch(temperatures, top_ps, top_ks, min_ps, seeds,
+                                 positions=batch.seq_lens.long())
+        next_ids = sample(logits, sampling, all_greedy=not plan.temperatures.any())
         result = BatchResult(next_token_ids=next_ids.cpu().numpy(), step=plan.step)
         if plan.return_logprob:
             chosen, top_vals, top_ids = logprobs_of(logits, next_ids, plan.top_logprobs_num)
