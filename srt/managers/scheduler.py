@@ -38,7 +38,10 @@ class Req:
     stream: bool = False
     output_ids: list[int] = field(default_factory=list)
     row: int = -1  # request-to-token table row, -1 while waiting
-    slots: np.ndarray = field(default_factory=lambda: _EMPTY)  # KV slots of tokens [0, kv_len)
+    # KV slots of tokens [0, kv_len): the first `num_slots` entries of a buffer that grows by
+    # doubling, so a decode step appends in O(1) instead of copying the whole history.
+    slot_buf: np.ndarray = field(default_factory=lambda: _EMPTY)
+    num_slots: int = 0
     kv_len: int = 0
     table_len: int = 0  # entries of its row the runner has been sent
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
@@ -49,13 +52,30 @@ class Req:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
+    def slots(self) -> np.ndarray:
+        return self.slot_buf[: self.num_slots]
+
+    @slots.setter
+    def slots(self, slots: np.ndarray) -> None:
+        self.slot_buf, self.num_slots = slots, len(slots)
+
+    def add_slots(self, new: np.ndarray) -> None:
+        end = self.num_slots + len(new)
+        if end > len(self.slot_buf):
+            buf = np.empty(max(end, 2 * len(self.slot_buf), 64), np.int32)
+            buf[: self.num_slots] = self.slots
+            self.slot_buf = buf
+        self.slot_buf[self.num_slots : end] = new
+        self.num_slots = end
+
+    @property
     def prompt_done(self) -> bool:
         return self.kv_len >= len(self.input_ids)
 
     @property
     def future_need(self) -> int:
         """KV slots this request may still allocate."""
-        return len(self.input_ids) + self.params.max_new_tokens - len(self.slots)
+        return len(self.input_ids) + self.params.max_new_tokens - self.num_slots
 
 
 def validate_request(
@@ -168,6 +188,7 @@ class Scheduler:
         for i, (req, extend) in enumerate(items):
             if req.finished_reason is not None:  # aborted while the step ran
                 continue
+            was_prefilling = not req.prompt_done
             req.kv_len += extend
             if not req.prompt_done:
                 continue
@@ -186,7 +207,7 @@ class Scheduler:
                 self._check_finished(req, token)
             if req.finished_reason is not None:
                 self._release(req)
-            elif req not in self.running:
+            elif was_prefilling:  # its prompt is done: it joins the decode batch
                 self.running.append(req)
             outputs.append(self._output(req, new_ids))
         return outputs
@@ -247,32 +268,49 @@ class Scheduler:
         return self.allocator.alloc(n)
 
     def _build_plan(self, mode: ForwardMode, items: list[tuple[Req, int]]) -> BatchPlan:
-        ids, positions, locs, rows, cols, slots = [], [], [], [], [], []
-        for req, extend in items:
-            new = self._alloc(extend)
-            start, end = req.kv_len, req.kv_len + extend
-            req.slots = np.concatenate([req.slots, new])
-            tokens = req.input_ids[start:end] if not req.prompt_done else req.output_ids[-1:]
-            ids.append(np.asarray(tokens, np.int32))
-            positions.append(np.arange(start, end, dtype=np.int32))
-            locs.append(new)
-            # The runner's table row learns every slot it lacks (a prefix hit's too).
-            rows.append(np.full(end - req.table_len, req.row, np.int32))
-            cols.append(np.arange(req.table_len, end, dtype=np.int32))
-            slots.append(req.slots[req.table_len:end])
-            req.table_len = end
+        n = len(items)
+        req_rows = np.fromiter((r.row for r, _ in items), np.int32, n)
+        kv_lens = np.fromiter((r.kv_len for r, _ in items), np.int32, n)
+        if mode is ForwardMode.DECODE:
+            # One token each, and each row already holds [0, kv_len): built as whole arrays,
+            # since this runs every step for every running request.
+            new = self._alloc(n)
+            for i, (req, _) in enumerate(items):
+                req.add_slots(new[i : i + 1])
+                req.table_len = req.kv_len + 1
+            ids = np.fromiter((r.output_ids[-1] for r, _ in items), np.int32, n)
+            positions, locs = kv_lens, new
+            table = (req_rows, kv_lens, new)
+        else:
+            parts: list[list[np.ndarray]] = [[], [], [], [], [], []]
+            for req, extend in items:
+                new = self._alloc(extend)
+                start, end = req.kv_len, req.kv_len + extend
+                req.add_slots(new)
+                # The runner's table row learns every slot it lacks (a prefix hit's too).
+                for part, array in zip(parts, (
+                    np.asarray(req.input_ids[start:end], np.int32),
+                    np.arange(start, end, dtype=np.int32),
+                    new,
+                    np.full(end - req.table_len, req.row, np.int32),
+                    np.arange(req.table_len, end, dtype=np.int32),
+                    req.slots[req.table_len:end],
+                ), strict=True):
+                    part.append(array)
+                req.table_len = end
+            ids, positions, locs, *table = (np.concatenate(p) for p in parts)
         params = [r.params for r, _ in items]
         return BatchPlan(
             forward_mode=int(mode),
-            input_ids=np.concatenate(ids),
-            positions=np.concatenate(positions),
-            out_cache_loc=np.concatenate(locs),
-            req_pool_indices=np.array([r.row for r, _ in items], np.int32),
-            prefix_lens=np.array([r.kv_len for r, _ in items], np.int32),
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=locs,
+            req_pool_indices=req_rows,
+            prefix_lens=kv_lens,
             extend_lens=np.array([e for _, e in items], np.int32),
-            table_rows=np.concatenate(rows),
-            table_cols=np.concatenate(cols),
-            table_slots=np.concatenate(slots),
+            table_rows=table[0],
+            table_cols=table[1],
+            table_slots=table[2],
             temperatures=np.array([p.temperature for p in params], np.float32),
             top_ps=np.array([p.top_p for p in params], np.float32),
             top_ks=np.array([p.top_k if p.top_k > 0 else self.vocab_size for p in params],
