@@ -1,66 +1,122 @@
 #!/usr/bin/env bash
-# One GPU round for the graph backends, on a CUDA host without network access:
-#   1. install the carried wheels (.whl/*.whl, from ../shared/gpu-host-wheels.sh) when present;
-#   2. run every gpu-marked test (log: $OUT/pytest-gpu.log);
-#   3. bench decode latency on a Llama-3.2-1B shape (random weights, bf16, batch 1 and 8) with
-#      decode graphs disabled / full / breakable / tc_piecewise (eager; inductor cold, then warm
-#      from the same compile cache) ($OUT/bench.jsonl, $OUT/bench-*.log);
-#   4. print a short table last: decode ms/step per backend and the speedup over disabled.
-# Usage, from anywhere: scripts/gpu_round.sh   (results under $OUT, default out/gpu-round)
-# Exit status: pytest's (the bench failing also fails the round).
+# GPU rounds on a CUDA host without network access: the gpu tests and the benchmarks of
+# docs/benchmarks.md, stage by stage, so that one call of a few minutes runs what belongs
+# together. Results land in $OUT (default out/gpu-round), at most a handful of files per call:
+#   round.log                       everything printed, and the tail of any failing step's log
+#   environment.txt                 GPU, driver, Python, torch, CUDA, triton
+#   runner-SHAPE.jsonl              srt.bench.one_batch (every decode path) + srt.bench.hf_baseline
+#   cold_start-SHAPE.json / .png    srt.bench.cold_start on a random checkpoint written to disk
+#   serving-SHAPE-{full,nographs}.json  srt.bench.serving, decode graphs against none
+# and the tables (scripts/bench_tables.py) are printed last.
+#
+# Usage: scripts/gpu_round.sh STAGE...   with STAGE one of
+#   tests                pytest -m gpu
+#   runner-SHAPE         one_batch for disabled, full, full --enable-torch-compile, breakable,
+#                        tc_piecewise eager and inductor; hf_baseline (floor, cuBLAS chain, HF)
+#   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list)
+#   serving-SHAPE        serving at concurrency 1, 16, 64: decode full (lazy) against nographs
+# SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first.
+# Exit status: non-zero if any step failed (the others still run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out/gpu-round}
-mkdir -p "$out"
+work=${WORK:-/tmp/srt-gpu-round}  # traces, checkpoints, logs that need not come back
+mkdir -p "$out" "$work/logs"
+exec > >(tee -a "$out/round.log") 2>&1
 
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__,
               'cuda', torch.version.cuda, 'triton', triton.__version__)"
-} 2>&1 | tee "$out/environment.txt"
+} > "$out/environment.txt" 2>&1
+cat "$out/environment.txt"
 
-python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests 2>&1 | tee "$out/pytest-gpu.log"
-status=${PIPESTATUS[0]}
-
-rm -f "$out/bench.jsonl"
-cache=$(mktemp -d)  # one compile cache: the second inductor run is a warm start
-bench() {  # bench NAME FLAGS...: one bench_one_batch run, its log in $out/bench-NAME.log
+status=0
+step() {  # step NAME CMD...: run it, its output in $work/logs/NAME.log; on failure show the tail
   local name=$1; shift
-  python3 -m srt.bench_one_batch --model-shape llama-3.2-1b --load-format dummy \
-    --dtype bfloat16 --batch-size 1 8 --input-len 128 --output-len 32 --runs 3 \
-    --cuda-graph-backend-prefill disabled --compile-cache-dir "$cache" \
-    --result-file "$out/bench.jsonl" "$@" > "$out/bench-$name.log" 2>&1 \
-    || { echo "bench $name failed: see $out/bench-$name.log"; status=1; }
+  local start=$SECONDS
+  if "$@" > "$work/logs/$name.log" 2>&1; then
+    echo "ok     $name ($((SECONDS - start)) s)"
+  else
+    echo "FAILED $name ($((SECONDS - start)) s); the end of its log:"
+    tail -n 25 "$work/logs/$name.log"
+    status=1
+  fi
 }
-bench disabled --cuda-graph-backend-decode disabled
-bench full --cuda-graph-backend-decode full
-bench breakable --cuda-graph-backend-decode breakable
-bench tc-eager --cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler eager
-bench tc-inductor-cold --cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor
-bench tc-inductor-warm --cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor
+
+runner() {  # the decode paths of srt and the alternatives on one shape
+  local shape=$1 file="$out/runner-$1.jsonl" cache="$work/cache-$1"
+  local sizes="1 8 32 128"
+  [ "$shape" = llama-3.2-1b ] && sizes="1 8 16 32 64 128"  # beside serving's concurrencies
+  rm -f "$file"
+  one() {
+    local name=$1; shift
+    # shellcheck disable=SC2086
+    step "one_batch-$shape-$name" python3 -m srt.bench.one_batch --model-shape "$shape" \
+      --dtype bfloat16 --batch-size $sizes --input-len 128 --output-len 32 --runs 2 \
+      --cuda-graph-backend-prefill disabled --compile-cache-dir "$cache" \
+      --profile "$work/profile-$shape" --result-file "$file" "$@"
+  }
+  one disabled --cuda-graph-backend-decode disabled
+  one full --cuda-graph-backend-decode full
+  one full-compile --cuda-graph-backend-decode full --enable-torch-compile
+  one breakable --cuda-graph-backend-decode breakable
+  one tc-eager --cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler eager
+  one tc-inductor --cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor
+  # shellcheck disable=SC2086
+  step "hf-$shape" python3 -m srt.bench.hf_baseline --model-shape "$shape" --batch-size $sizes \
+    --methods hf-eager hf-generate-static cublas-chain --result-file "$file"
+  step "hf-compile-$shape" python3 -m srt.bench.hf_baseline --model-shape "$shape" \
+    --batch-size 1 --methods hf-compile-reduce-overhead --result-file "$file"
+}
+
+checkpoint() {  # sets CKPT: a random checkpoint of the shape on local disk, written once
+  CKPT="$work/ckpt/$1"
+  [ -f "$CKPT/model.safetensors.index.json" ] || \
+    step "checkpoint-$1" python3 -m srt.tools.make_random_checkpoint "$work/ckpt" \
+      --model-shape "$1"
+}
+
+cold_start() {
+  local shape=$1
+  local configs=${COLD_START_CONFIGS:-nographs full-lazy full-upfront tcpw-inductor-lazy tcpw-inductor-upfront}
+  checkpoint "$shape"
+  rm -rf "$work/cold-$shape"
+  # shellcheck disable=SC2086
+  step "cold_start-$shape" python3 -m srt.bench.cold_start --model-path "$CKPT" \
+    --configs $configs --cache-root "$work/cold-$shape" \
+    --output-file "$out/cold_start-$shape.json" --plot "$out/cold_start-$shape.png"
+}
+
+serving() {
+  local shape=$1 graphs
+  checkpoint "$shape"
+  for graphs in full nographs; do
+    local flags=(--cuda-graph-backend-decode full)
+    [ $graphs = nographs ] && flags=(--disable-cuda-graph)
+    step "serving-$shape-$graphs" python3 -m srt.bench.serving --num-prompts 8 64 128 \
+      --max-concurrency 1 16 64 --input-len 128 --output-len 64 \
+      --output-file "$out/serving-$shape-$graphs.json" -- --model-path "$CKPT" "${flags[@]}"
+  done
+}
+
+for stage in "$@"; do
+  case $stage in
+    tests) step tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests ;;
+    runner-*) runner "${stage#runner-}" ;;
+    cold_start-*) cold_start "${stage#cold_start-}" ;;
+    serving-*) serving "${stage#serving-}" ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
 
 echo
-tail -n 3 "$out/pytest-gpu.log"
-python3 - "$out/bench.jsonl" <<'PY'
-import json
-import os
-import sys
-
-path = sys.argv[1]
-rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-base = {r["batch_size"]: r["decode_ms_per_step"] for r in rows if r["decode_backend"] == "disabled"}
-print(f"\n{'decode':<24}{'bs':>3}{'startup s':>11}{'compile s':>11}{'hit':>6}{'prefill ms':>12}"
-      f"{'decode ms/step':>16}{'x disabled':>12}")
-for r in rows:
-    name = r["decode_backend"] + (f"/{r['tc_compiler']}" if r.get("tc_compiler") else "")
-    ms, ref = r["decode_ms_per_step"], base.get(r["batch_size"])
-    speedup = f"{ref / ms:.2f}x" if ref and ms else "-"
-    print(f"{name:<24}{r['batch_size']:>3}{r['startup_s']:>11.2f}{r['compile_s'] or 0:>11.2f}"
-          f"{str(r['compile_cache_hit']):>6}{r['prefill_ms']:>12.2f}{ms:>16.3f}{speedup:>12}")
-PY
+for f in "$out"/runner-*.jsonl "$out"/cold_start-*.json "$out"/serving-*.json; do
+  [ -f "$f" ] && python3 scripts/bench_tables.py "$f"
+done
 exit "$status"

@@ -1,0 +1,281 @@
+"""Runner-level latency of one static batch: prefill ms and decode ms/step, per batch size, for
+the graph backends the server flags select. No scheduler, no HTTP: batch plans are built here
+and fed to `ModelRunner.forward`, so the figures are the runner's own.
+
+    python -m srt.bench.one_batch --model-shape llama-3.2-1b --batch-size 1 8 \\
+        --input-len 128 --output-len 32 --cuda-graph-backend-decode full --result-file out.jsonl
+
+`--model-shape` benches a published shape with random weights drawn on the device
+(`--load-format dummy`); `--model-path` a real checkpoint. Each batch size runs once cold (that
+is when lazy capture happens: the cold figures include it) and then `--runs` times warm; the
+warm medians are reported. `--profile DIR` then runs the decode steps once more under
+`torch.profiler`, writes the trace to DIR and adds its summary (GPU kernel ms, kernels and
+host ms per step, the top kernels). One JSON line per batch size is appended to
+`--result-file`; the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from srt.bench.report import append_jsonl, format_table, machine
+from srt.engine import resolve_model_path
+from srt.managers.io_struct import BatchPlan
+from srt.model_config import ModelConfig
+from srt.model_executor.forward_batch import ForwardMode
+from srt.model_executor.graph_config import Phase
+from srt.model_executor.model_runner import ModelRunner
+from srt.server_args import ServerArgs
+from srt.tools.model_shapes import MODEL_SHAPES, write_model_shape
+
+STEP_ANNOTATION = "srt_decode_step"
+# Device activity in a Kineto trace, and the host calls that wait for the device.
+_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+_WAITS = ("Synchronize", "cudaMemcpy ")
+
+
+@dataclasses.dataclass
+class Requests:
+    """`batch` requests of `input_len` random prompt tokens, each with its own table row and
+    a contiguous run of KV slots (slot 0 is the dummy slot)."""
+
+    batch: int
+    input_len: int
+    output_len: int
+    vocab_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        self.prompts = rng.integers(0, self.vocab_size, (self.batch, self.input_len))
+        span = self.input_len + self.output_len
+        self.slots = 1 + np.arange(self.batch)[:, None] * span + np.arange(span)[None, :]
+
+    def plan(self, mode: ForwardMode, start: int, tokens: np.ndarray) -> BatchPlan:
+        """The plan computing positions [start, start + tokens.shape[1]) of every request."""
+        b, n = tokens.shape
+        cols = np.tile(np.arange(start, start + n), b)
+        rows = np.repeat(np.arange(b), n)
+        locs = self.slots[rows, cols]
+        i32 = np.int32
+        return BatchPlan(
+            forward_mode=int(mode),
+            input_ids=tokens.reshape(-1).astype(i32),
+            positions=cols.astype(i32),
+            out_cache_loc=locs.astype(i32),
+            req_pool_indices=np.arange(b, dtype=i32),
+            prefix_lens=np.full(b, start, i32),
+            extend_lens=np.full(b, n, i32),
+            table_rows=rows.astype(i32),
+            table_cols=cols.astype(i32),
+            table_slots=locs.astype(i32),
+            temperatures=np.zeros(b, np.float32),  # greedy
+            top_ps=np.ones(b, np.float32),
+            top_ks=np.full(b, self.vocab_size, np.int64),
+            min_ps=np.zeros(b, np.float32),
+            seeds=np.zeros(b, np.int64),
+        )
+
+
+def run_once(runner: ModelRunner, reqs: Requests, profiler: Any = None
+             ) -> tuple[float, list[float]]:
+    """One prefill and `output_len - 1` decode steps: (prefill s, [decode step s]). With a
+    `torch.profiler.profile`, it records the decode steps only, each annotated."""
+    start = time.perf_counter()
+    ids = runner.forward(reqs.plan(ForwardMode.EXTEND, 0, reqs.prompts)).next_token_ids
+    prefill_s = time.perf_counter() - start
+    steps = []
+    if profiler is not None:
+        profiler.start()
+    for step in range(reqs.output_len - 1):
+        with torch.profiler.record_function(STEP_ANNOTATION):
+            start = time.perf_counter()
+            plan = reqs.plan(ForwardMode.DECODE, reqs.input_len + step, ids.reshape(-1, 1))
+            ids = runner.forward(plan).next_token_ids  # a host copy: the step is finished
+            steps.append(time.perf_counter() - start)
+    if profiler is not None:
+        profiler.stop()
+    return prefill_s, steps
+
+
+def profile_decode(runner: ModelRunner, reqs: Requests, trace: Path,
+                   top: int = 10) -> dict[str, Any]:
+    """Profile one run's decode steps (warm), write the Kineto trace, summarise it."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=activities)
+    run_once(runner, reqs, prof)  # it records the decode steps alone
+    prof.export_chrome_trace(str(trace))
+    return {"trace": str(trace), **summarize_trace(json.loads(trace.read_text()), top)}
+
+
+def summarize_trace(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
+    """Per decode step: wall ms (the annotated steps), device busy ms and kernel count,
+    host ms (wall less the time the host sat waiting for the device), the top kernels."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    steps = [e for e in events if e.get("name") == STEP_ANNOTATION
+             and e.get("cat") == "user_annotation"]
+    n = max(len(steps), 1)
+    device = [e for e in events if e.get("cat") in _DEVICE_CATEGORIES]
+    waits = [e for e in events if e.get("cat") == "cuda_runtime"
+             and any(w in e.get("name", "") + " " for w in _WAITS)]
+    per_kernel: dict[str, list[float]] = collections.defaultdict(list)
+    for e in device:
+        per_kernel[e["name"]].append(e["dur"] / 1000)
+    device_ms = sum(sum(d) for d in per_kernel.values())
+    wall_ms = sum(e["dur"] for e in steps) / 1000
+    wait_ms = sum(e["dur"] for e in waits) / 1000
+    ranked = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "steps": len(steps),
+        "wall_ms_per_step": round(wall_ms / n, 3),
+        "gpu_ms_per_step": round(device_ms / n, 3),
+        "kernels_per_step": round(sum(e.get("cat") == "kernel" for e in device) / n, 1),
+        "host_ms_per_step": round((wall_ms - wait_ms) / n, 3),
+        "wait_ms_per_step": round(wait_ms / n, 3),
+        "top_kernels": [
+            {"name": name, "ms_per_step": round(sum(d) / n, 4), "calls_per_step": len(d) / n,
+             "share": round(sum(d) / device_ms, 3) if device_ms else None}
+            for name, d in ranked
+        ],
+    }
+
+
+def bench(args: ServerArgs, batch_sizes: list[int], input_len: int, output_len: int,
+          runs: int, shape: str | None, profile_dir: Path | None = None
+          ) -> list[dict[str, Any]]:
+    config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
+    start = time.perf_counter()
+    runner = ModelRunner(args, config)
+    startup_s = time.perf_counter() - start  # load + compile (+ upfront capture)
+    compile_info = runner.info()["compile"]
+    graphs = runner.graph_configs
+    where = machine()
+    results = []
+    for b in tqdm(batch_sizes, desc="batch sizes", unit="bs"):
+        reqs = Requests(b, input_len, output_len, config.vocab_size, args.seed)
+        cold_prefill, cold_steps = run_once(runner, reqs)
+        warm = [run_once(runner, reqs) for _ in range(runs)]
+        steps = [s for _, run_steps in warm for s in run_steps]
+        decode_ms = statistics.median(steps) * 1000 if steps else None
+        row = {
+            "model": shape or str(args.model_path),
+            "dtype": str(config.dtype).removeprefix("torch."),
+            "device": str(runner.device),
+            "attention_backend": runner.attention_backend_name,
+            "prefill_backend": graphs[Phase.PREFILL].backend.value,
+            "decode_backend": graphs[Phase.DECODE].backend.value,
+            "enable_torch_compile": args.enable_torch_compile,
+            "tc_compiler": graphs[Phase.DECODE].tc_compiler,
+            "load_s": round(runner.load_s, 3),
+            "startup_s": round(startup_s, 3),
+            "compile_s": compile_info.get("total_s"),
+            "compile_cache_hit": compile_info.get("cache_hit"),
+            "batch_size": b,
+            "input_len": input_len,
+            "output_len": output_len,
+            "runs": runs,
+            "prefill_ms": round(statistics.median(p for p, _ in warm) * 1000, 3),
+            "decode_ms_per_step": round(decode_ms, 3) if decode_ms else None,
+            "decode_ms_p90": round(float(np.percentile(steps, 90)) * 1000, 3) if steps else None,
+            "decode_tok_s": round(b * 1000 / decode_ms, 1) if decode_ms else None,
+            "cold_prefill_ms": round(cold_prefill * 1000, 3),
+            "cold_first_decode_ms": round(cold_steps[0] * 1000, 3) if cold_steps else None,
+            "graphs": {phase: {k: info.get(k) for k in ("backend", "captured", "skipped",
+                                                         "capture_s", "replays")}
+                       for phase, info in runner.info()["graphs"].items()},
+            "machine": where,
+        }
+        if profile_dir is not None and output_len > 1:
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            trace = profile_dir / f"{label(row)}-bs{b}.json"
+            row["profile"] = profile_decode(runner, reqs, trace)
+        results.append(row)
+    return results
+
+
+def label(row: dict[str, Any]) -> str:
+    """The decode path of a result row, e.g. `full+compile` or `tc_piecewise-inductor`."""
+    name = row["decode_backend"]
+    if row.get("enable_torch_compile") and name == "full":
+        name += "+compile"
+    if name == "tc_piecewise" and row.get("tc_compiler"):
+        name += f"-{row['tc_compiler']}"
+    return name
+
+
+TABLE = [("model", "model"), ("decode", "label"), ("bs", "batch_size"),
+         ("startup s", "startup_s"), ("prefill ms", "prefill_ms"),
+         ("decode ms/step", "decode_ms_per_step"), ("decode tok/s", "decode_tok_s"),
+         ("cold 1st decode ms", "cold_first_decode_ms")]
+PROFILE_TABLE = [("decode", "label"), ("bs", "batch_size"), ("wall ms", "wall_ms_per_step"),
+                 ("gpu ms", "gpu_ms_per_step"), ("host ms", "host_ms_per_step"),
+                 ("kernels", "kernels_per_step")]
+
+
+def format_results(rows: list[dict[str, Any]]) -> str:
+    rows = [{**r, "label": label(r)} for r in rows]
+    out = [format_table(rows, TABLE)]
+    profiled = [r for r in rows if "profile" in r]
+    if profiled:
+        out.append("\nprofile of the warm decode steps (per step):")
+        out.append(format_table([{**r, **r["profile"]} for r in profiled], PROFILE_TABLE))
+        for r in profiled:
+            out.append(f"\ntop kernels, {r['label']} bs {r['batch_size']}:")
+            for k in r["profile"]["top_kernels"]:
+                out.append(f"  {k['ms_per_step']:8.4f} ms  x{k['calls_per_step']:<6g} "
+                           f"{k['name'][:100]}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m srt.bench.one_batch",
+                                     description=__doc__.split("\n\n")[0])
+    ServerArgs.add_cli_args(parser)
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES),
+                        help="Bench this published shape with random weights.")
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3, help="Warm runs per batch size.")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="Profile the warm decode steps; traces go to DIR.")
+    parser.add_argument("--result-file", help="Append one JSON line per batch size here.")
+    ns = parser.parse_args(argv)
+    if ns.input_len < 1 or ns.output_len < 1 or min(ns.batch_size) < 1 or ns.runs < 1:
+        parser.error("--batch-size, --input-len, --output-len and --runs must be positive")
+    args = ServerArgs.from_cli_args(ns)
+    span = ns.input_len + ns.output_len
+    args.context_length = args.context_length or span
+    args.max_running_requests = max(ns.batch_size)
+    args.max_total_tokens = args.max_total_tokens or max(ns.batch_size) * span
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    with tempfile.TemporaryDirectory() as tmp:
+        if ns.model_shape:
+            args.model_path = str(write_model_shape(ns.model_shape, Path(tmp)))
+            args.load_format = "dummy"
+        else:
+            args.model_path = resolve_model_path(args)  # default: the built-in tiny model
+        rows = bench(args, ns.batch_size, ns.input_len, ns.output_len, ns.runs, ns.model_shape,
+                     ns.profile)
+    if ns.result_file:
+        append_jsonl(ns.result_file, rows)
+    print(format_results(rows))
+
+
+if __name__ == "__main__":
+    main()

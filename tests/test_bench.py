@@ -1,0 +1,282 @@
+"""The benchmarks end to end on the tiny model (CPU): each runs, and its JSON has the documented
+keys with sane values (token counts exact). No timing assertions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from server_helpers import ServerProcess
+
+from srt.bench import cold_start, hf_baseline, one_batch, serving
+from srt.bench.serving import RequestRecord, RequestSpec, metrics, run_load
+from srt.model_config import ModelConfig
+from srt.model_executor.model_loader import load_model
+from srt.tools import make_random_checkpoint, model_shapes
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ---- one_batch -----------------------------------------------------------------------------
+
+
+def test_one_batch_with_profile(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+    results = tmp_path / "ob.jsonl"
+    one_batch.main(["--model-path", str(tiny_llama), "--device", "cpu", "--dtype", "float32",
+                    "--batch-size", "1", "3", "--input-len", "8", "--output-len", "5",
+                    "--runs", "1", "--profile", str(tmp_path / "prof"),
+                    "--result-file", str(results)])
+    rows = read_jsonl(results)
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["decode_backend"] == "disabled" and r["device"] == "cpu"
+        assert r["decode_ms_per_step"] > 0 and r["prefill_ms"] > 0
+        assert r["decode_tok_s"] == pytest.approx(r["batch_size"] * 1000
+                                                  / r["decode_ms_per_step"], rel=1e-2)
+        prof = r["profile"]
+        assert prof["steps"] == 4  # output_len - 1 decode steps, each annotated
+        assert Path(prof["trace"]).is_file()
+        assert prof["wall_ms_per_step"] > 0
+        assert prof["kernels_per_step"] == 0  # no device on the CPU
+        assert 0 < prof["host_ms_per_step"] <= prof["wall_ms_per_step"]
+        assert r["machine"]["torch"] == torch.__version__
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[0].split()[:3] == ["model", "decode", "bs"]
+    assert "profile of the warm decode steps" in out
+
+
+def test_trace_summary_counts_kernels_and_waits() -> None:
+    def event(name: str, cat: str, dur_us: float) -> dict:
+        return {"ph": "X", "name": name, "cat": cat, "ts": 0, "dur": dur_us}
+
+    steps = [event(one_batch.STEP_ANNOTATION, "user_annotation", 1000)] * 2
+    kernels = [event("gemm", "kernel", 300)] * 4 + [event("rmsnorm", "kernel", 50)] * 6
+    other = [event("Memcpy DtoH", "gpu_memcpy", 10)] * 2
+    waits = [event("cudaStreamSynchronize", "cuda_runtime", 400),
+             event("cudaLaunchKernel", "cuda_runtime", 5)] * 2
+    summary = one_batch.summarize_trace({"traceEvents": steps + kernels + other + waits})
+    assert summary["steps"] == 2
+    assert summary["wall_ms_per_step"] == 1.0
+    assert summary["kernels_per_step"] == 5  # memcpys are device time, not kernels
+    assert summary["gpu_ms_per_step"] == pytest.approx((1200 + 300 + 20) / 2 / 1000)
+    assert summary["host_ms_per_step"] == pytest.approx(0.6)  # the wall less the syncs
+    top = summary["top_kernels"]
+    assert [k["name"] for k in top] == ["gemm", "rmsnorm", "Memcpy DtoH"]
+    assert top[0]["calls_per_step"] == 2 and top[0]["ms_per_step"] == 0.6
+
+
+# ---- serving -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("bench-server") / "server.log"
+    srv = ServerProcess(["--model-path", str(tiny_llama), "--context-length", "64"], log)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_serving_against_a_running_server(server: ServerProcess, tmp_path: Path,
+                                          capsys) -> None:
+    out = tmp_path / "serving.json"
+    serving.main(["--base-url", server.url, "--num-prompts", "5", "3", "--max-concurrency",
+                  "1", "3", "--input-len", "12", "--range-ratio", "0.5", "--output-len", "6",
+                  "--output-file", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["max_concurrency"] for r in result["runs"]] == [1, 3]
+    for run, num in zip(result["runs"], [5, 3], strict=True):
+        assert run["num_requests"] == run["completed"] == num and run["errors"] == 0
+        assert run["total_output_tokens"] == num * 6
+        assert 6 <= run["total_input_tokens"] <= 12 * num
+        assert run["request_rate"] is None  # all at once
+        assert run["output_throughput"] > 0 and run["duration_s"] > 0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            s = run[key]
+            assert 0 < s["p50"] <= s["p99"], (key, s)
+        assert run["itl_ms"]["n"] == num * 5  # one event per decode step
+        assert run["ttft_ms"]["p50"] < run["e2e_ms"]["p50"]
+    assert capsys.readouterr().out.splitlines()[-4].split()[0] == "conc"
+
+
+def test_serving_counts_refused_and_short_requests(server: ServerProcess) -> None:
+    vocab = serving.vocab_size_of(server.url)
+    specs = [RequestSpec([1, 2, 3], 4), RequestSpec([1] * 100, 4)]  # the second is too long
+    records = asyncio.run(run_load(server.url, specs, max_concurrency=2, progress=False))
+    assert records[0].ok and records[0].output_tokens == 4
+    assert not records[1].ok and records[1].error.startswith("HTTP 400")
+    figures = metrics(records)
+    assert (figures["completed"], figures["errors"]) == (1, 1)
+    assert vocab == ModelConfig.from_path(server_model(server)).vocab_size
+
+
+def server_model(server: ServerProcess) -> Path:
+    return Path(server.info()["model"]["path"])
+
+
+def test_serving_metrics_from_known_times() -> None:
+    r = RequestRecord(input_len=4, output_len=3, sent=10.0, token_times=[10.1, 10.3, 10.6],
+                      chunk_times=[10.1, 10.3, 10.6], done=10.6)
+    bad = RequestRecord(input_len=4, output_len=3, sent=10.0, done=10.2, error="HTTP 400: x")
+    m = metrics([r, bad])
+    assert m["completed"] == 1 and m["errors"] == 1 and m["error_samples"] == ["HTTP 400: x"]
+    assert m["ttft_ms"]["p50"] == pytest.approx(100)
+    assert m["itl_ms"]["n"] == 2 and m["itl_ms"]["mean"] == pytest.approx(250)
+    assert m["tpot_ms"]["p50"] == pytest.approx(250)
+    assert m["e2e_ms"]["p50"] == pytest.approx(600)
+    assert m["output_throughput"] == pytest.approx(3 / 0.6, rel=1e-3)
+
+
+def test_serving_refuses_both_a_url_and_server_flags() -> None:
+    with pytest.raises(SystemExit):
+        serving.main(["--base-url", "http://x", "--", "--device", "cpu"])
+
+
+def test_random_requests_lengths() -> None:
+    specs = serving.random_requests(50, 20, 7, vocab_size=30, range_ratio=0.5, seed=1)
+    assert all(10 <= len(s.input_ids) <= 20 and s.output_len == 7 for s in specs)
+    assert all(0 <= t < 30 for s in specs for t in s.input_ids)
+    assert len({len(s.input_ids) for s in specs}) > 1
+    assert specs == serving.random_requests(50, 20, 7, vocab_size=30, range_ratio=0.5, seed=1)
+
+
+# ---- cold_start ----------------------------------------------------------------------------
+
+
+def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+    out, png = tmp_path / "cold.json", tmp_path / "cold.png"
+    cold_start.main(["--model-path", str(tiny_llama), "--configs", "nographs",
+                     "--config", "full-small=--cuda-graph-backend-decode full "
+                                 "--cuda-graph-bs-decode 1 2 4",
+                     "--bursts", "1", "2", "--burst-output-len", "4", "--steady-concurrency", "1",
+                     "2", "--steady-rounds", "1", "--steady-output-len", "5", "--input-len",
+                     "8", "--cache-root", str(tmp_path / "caches"), "--output-file", str(out),
+                     "--plot", str(png), "--", "--device", "cpu"])
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert [(r["config"], r["cache"]) for r in runs] == [
+        ("nographs", "cold"), ("nographs", "warm"), ("full-small", "cold"),
+        ("full-small", "warm")]
+    assert runs[2]["flags"][-6:] == ["--cuda-graph-backend-decode", "full",
+                                     "--cuda-graph-bs-decode", "1", "2", "4"]
+    for r in runs:
+        assert "error" not in r, r.get("error")
+        assert r["ready_s"] > 0 and r["errors"] == 0
+        # the first request, bursts of 1 and 2 sent twice, steady at 1 and 2, a later one
+        assert r["requests"] == 1 + (1 + 1 + 2 + 2) + (1 + 2) + 1
+        b = r["breakdown"]
+        assert b["launch_to_ready_s"] == r["ready_s"]
+        assert all(v is None or v >= 0 for k, v in b.items()
+                   if k != "runner_other_setup_s"), b
+        assert b["runner_ready_after_s"] <= b["launch_to_ready_s"]
+        assert 0 < r["ttft_first_ms"] < r["t2t_first_ms"]
+        assert 0 < r["ttft_later_ms"] < r["t2t_later_ms"]
+        assert [x["batch"] for x in r["buckets"]] == [1, 2]
+        for x in r["buckets"]:
+            assert x["t2t_first_ms"] > 0 and x["t2t_again_ms"] > 0 and x["steady_itl_ms"] > 0
+            assert x["excess_ms"] == pytest.approx(x["t2t_first_ms"] - x["t2t_again_ms"],
+                                                   abs=1e-3)
+            # captured on the CPU? no: there is nothing to capture, so no bucket records
+            assert x["server_capture_ms"] is None
+        assert set(r["steady"]) == {"1", "2"}
+        assert r["steady"]["2"]["total_output_tokens"] == 2 * 5
+        tl = r["timeline"]
+        assert len(tl["t_s"]) == len(tl["ms"]) == len(tl["first_token"]) > 0
+        assert sum(tl["first_token"]) == r["requests"]
+        assert min(tl["t_s"]) >= 0
+    assert Path(runs[0]["log"]).is_file()
+    assert (tmp_path / "caches" / "full-small" / "srt").is_dir()  # its own cache root
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert "worst new-bucket excess ms" in capsys.readouterr().out
+
+
+def test_cold_start_config_syntax() -> None:
+    assert cold_start.parse_config("x=--a 1 --b 'c d'") == ("x", ["--a", "1", "--b", "c d"])
+    with pytest.raises(Exception, match="NAME=FLAGS"):
+        cold_start.parse_config("--a 1")
+    with pytest.raises(SystemExit):
+        cold_start.main(["--configs", "no-such-preset"])
+
+
+# ---- hf_baseline ---------------------------------------------------------------------------
+
+
+def test_hf_baseline_on_the_tiny_model(tiny_llama: Path, tmp_path: Path) -> None:
+    results = tmp_path / "hf.jsonl"
+    hf_baseline.main(["--model-path", str(tiny_llama), "--device", "cpu", "--batch-size", "2",
+                      "--input-len", "6", "--output-len", "4", "--copy-mib", "16",
+                      "--result-file", str(results)])
+    rows = {r["method"]: r for r in read_jsonl(results)}
+    assert set(rows) == {"bandwidth-floor", "hf-eager", "hf-generate-static",
+                         "hf-compile-reduce-overhead", "cublas-chain"}
+    assert all(r["decode_ms_per_step"] > 0 and r["batch_size"] == 2 for r in rows.values())
+    assert rows["hf-compile-reduce-overhead"]["compile_s"] > 0
+    config = ModelConfig.from_path(tiny_llama)
+    model = load_model(config, torch.device("cpu"))
+    embed = model.model.embed_tokens.weight
+    expected = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    assert rows["bandwidth-floor"]["weight_bytes"] == expected  # untied: no embedding table
+    floor = rows["bandwidth-floor"]
+    assert floor["decode_ms_per_step"] == pytest.approx(
+        expected / (floor["copy_bandwidth_gbs"] * 1e9) * 1000, rel=0.06)
+    matmuls = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                  if p is not embed and not name.endswith("norm.weight"))
+    assert rows["cublas-chain"]["weight_bytes"] == matmuls  # the same matrices, norms aside
+    assert rows["cublas-chain"]["cuda_graph"] is False
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_shape(monkeypatch: pytest.MonkeyPatch) -> str:
+    shape = dict(model_shapes.MODEL_SHAPES["llama-3.2-1b"], hidden_size=64,
+                 intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=600)
+    monkeypatch.setitem(model_shapes.MODEL_SHAPES, "small-test", shape)
+    return "small-test"
+
+
+def test_model_shape_has_no_weights(small_shape: str, tmp_path: Path) -> None:
+    path = model_shapes.write_model_shape(small_shape, tmp_path)
+    assert not list(path.glob("*.safetensors*"))
+    config = ModelConfig.from_path(path)
+    assert (config.num_layers, config.vocab_size) == (3, 600)
+    with pytest.raises(ValueError, match="unknown shape 'nope'"):
+        model_shapes.write_model_shape("nope", tmp_path)
+
+
+def test_random_checkpoint_loads_everywhere(small_shape: str, tmp_path: Path) -> None:
+    import transformers
+
+    path = make_random_checkpoint.make_random_checkpoint(tmp_path, small_shape,
+                                                         shard_bytes=40_000, device="cpu")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == {s.name for s in shards}
+    assert "lm_head.weight" not in index["weight_map"]  # tied, saved once
+    ours = load_model(ModelConfig.from_path(path), torch.device("cpu"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    theirs_state = theirs.state_dict()
+    total, seen = 0, set()
+    for name, tensor in ours.state_dict().items():
+        if tensor.data_ptr() not in seen:  # the tied LM head is the embedding
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+        assert tensor.dtype == torch.bfloat16
+        if name.endswith("norm.weight"):
+            assert torch.equal(tensor, torch.ones_like(tensor))
+        elif name in theirs_state:  # unpacked names match one to one
+            assert torch.equal(tensor, theirs_state[name]), name
+            assert math.isclose(tensor.float().std().item(), 0.02, rel_tol=0.3), name
+    assert index["metadata"]["total_size"] == total
