@@ -13,8 +13,10 @@ Layout, everything private to the user (directories 0700, files 0600):
 
 The key hashes four factors: environment (compiler-relevant environment variables), config
 (the model config and the runtime options that change the graph), code (srt's own source and
-the model's file) and compiler (torch, triton, Python, the device). An artifact whose checksum
-does not match, or that fails to load, is logged, removed and recompiled; never used blindly.
+the model's file) and compiler (torch, triton, Python; the CPU's ISA and feature flags,
+Inductor's settings and thread count; the GPU's compute capability, driver and CUDA runtime).
+An artifact whose checksum does not match, or that fails to load, is logged, removed and
+recompiled; never used blindly.
 """
 
 from __future__ import annotations
@@ -84,21 +86,80 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def compiler_factor(device: torch.device) -> dict[str, str | None]:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        device_name = f"{torch.cuda.get_device_name(index)} (sm_{major}{minor})"
-    else:
-        device_name = f"{device.type} {platform.machine()} {platform.processor()}".strip()
+def _cpuinfo_field(*names: str) -> str | None:
+    """The first `name : value` line of /proc/cpuinfo for any of `names` (None elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in names:
+            return value.strip()
+    return None
+
+
+def cpu_factor() -> dict[str, Any]:
+    """What the host CPU contributes to generated code. Inductor compiles its C++ with
+    `-march=native` and picks vector code by the ISA ATen reports, so a .so built here may
+    use instructions (AVX-512, AMX) another CPU lacks: the feature flags are part of the key,
+    hashed (x86 `flags`, Arm `Features`), with the ISA and model name to read."""
+    flags = _cpuinfo_field("flags", "Features")
     return {
+        "machine": platform.machine(),
+        "model": _cpuinfo_field("model name", "CPU part"),
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "flags": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
+        if flags else None,
+    }
+
+
+def inductor_factor(device: torch.device) -> dict[str, Any]:
+    """Inductor's settings that change its output: its whole (portable) config, hashed, and
+    on the CPU the thread count its C++ kernels are specialised for (`#pragma omp parallel
+    num_threads(N)` is generated code unless `cpp.dynamic_threads`)."""
+    from torch._inductor import config
+    from torch._inductor.utils import parallel_num_threads
+
+    settings = json.dumps(config.save_config_portable(), sort_keys=True, default=str)
+    factor: dict[str, Any] = {"config": hashlib.sha256(settings.encode()).hexdigest()[:16]}
+    if device.type == "cpu":
+        factor["threads"] = "dynamic" if config.cpp.dynamic_threads else parallel_num_threads()
+    return factor
+
+
+def cuda_factor(device: torch.device) -> dict[str, Any]:
+    """The GPU and the CUDA stack under it: Triton compiles for this compute capability (and
+    sizes persistent kernels by the SM count), through this driver and runtime."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    runtimes = sorted(
+        f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
+        if (d.metadata["Name"] or "").lower().startswith("nvidia-cuda-runtime")
+    )
+    return {
+        "name": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "multiprocessors": props.multi_processor_count,
+        "driver": torch._C._cuda_getDriverVersion(),
+        "runtime": torch.version.cuda,
+        "runtime_packages": runtimes,
+    }
+
+
+def compiler_factor(device: torch.device) -> dict[str, Any]:
+    factor: dict[str, Any] = {
         "torch": torch.__version__,
         "torch_git": torch.version.git_version,
-        "cuda": torch.version.cuda,
         "triton": _package_version("triton"),
         "python": platform.python_version(),
-        "device": device_name,
+        "device": device.type,
+        "cpu": cpu_factor(),  # CUDA graphs can hold CPU kernels too; the host is the host
+        "inductor": inductor_factor(device),
     }
+    if device.type == "cuda":
+        factor["cuda"] = cuda_factor(device)
+    return factor
 
 
 @dataclass
@@ -106,7 +167,7 @@ class CacheFactors:
     environment: dict[str, str]
     config: dict[str, Any]
     code: str
-    compiler: dict[str, str | None]
+    compiler: dict[str, Any]
 
     def key(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True, default=str)
