@@ -86,16 +86,12 @@ class PiecewiseModel:
             raise CompilationError("the model is already traced; it is traced once")
         for t in (input_ids, positions):
             torch._dynamo.mark_dynamic(t, 0, min=MIN_TOKENS, max=self.max_tokens)
-        inductor_dir = nullcontext()
-        if "inductor" in self.compilers:
-            from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
-            inductor_dir = temporary_cache_dir(str(self.cache.inductor_dir))
+        inductor = self.cache.inductor_session() if "inductor" in self.compilers else nullcontext()
         start = time.perf_counter()
         try:
             with (
                 torch.inference_mode(),
-                inductor_dir,
+                inductor,
                 torch._dynamo.config.patch(
                     recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT
                 ),
