@@ -7,6 +7,7 @@ from __future__ import annotations
 import builtins
 import errno
 import io
+import json
 import logging
 import os
 import stat
@@ -19,7 +20,7 @@ import torch
 from torch import fx
 
 from srt.compilation import cache as cache_module
-from srt.compilation.cache import CacheFactors, CompileCache, collect_factors
+from srt.compilation.cache import BucketManifest, CacheFactors, CompileCache, collect_factors
 from srt.compilation.split import piece_signature
 
 
@@ -205,6 +206,34 @@ def test_an_interrupted_artifact_write_leaves_the_old_artifact(
     assert sorted(p.name for p in cache.pieces_dir.iterdir()) == ["piece.bin"]
 
 
+# ---- the manifest -------------------------------------------------------------------------------
+
+
+def test_two_processes_on_one_entry_keep_each_others_buckets(tmp_path: Path) -> None:
+    path = tmp_path / "manifest.json"
+    first, second = BucketManifest(path), BucketManifest(path)  # both started on an empty one
+    first.record("decode", 1)
+    second.record("decode", 4)
+    first.record("prefill", 8)
+    second.record("decode", 1)
+    assert json.loads(path.read_text()) == {"buckets": {"decode": [1, 4], "prefill": [8]}}
+    assert BucketManifest(path).buckets == {"decode": [1, 4], "prefill": [8]}
+
+
+def test_an_interrupted_manifest_write_leaves_the_old_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "manifest.json"
+    manifest = BucketManifest(path)
+    manifest.record("decode", 1)
+    with monkeypatch.context() as m:
+        writes_fail_half_way(m)
+        with pytest.raises(OSError, match="No space left"):
+            manifest.record("decode", 2)
+    assert json.loads(path.read_text()) == {"buckets": {"decode": [1]}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "manifest.json.lock"]
+
+
 # ---- Inductor's directory, modes ----------------------------------------------------------------
 
 
@@ -250,7 +279,7 @@ def test_every_path_of_an_entry_is_private(tmp_path: Path) -> None:
     modes = {p.relative_to(cache.root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in paths}
     assert {p: m for p, m in modes.items()
             if m != (0o700 if (cache.root / p).is_dir() else 0o600)} == {}
-    assert {"entry.lock", "inductor-files.json", "factors.json"} <= {
+    assert {"entry.lock", "manifest.json.lock", "inductor-files.json", "factors.json"} <= {
         Path(p).name for p in modes}
 
 

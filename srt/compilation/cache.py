@@ -12,6 +12,7 @@ included; a root that already exists with a looser mode is used, with a warning)
         inductor/               Inductor's own cache while we compile or load (C++/Triton builds)
         inductor-files.json     size and sha256 of every file in inductor/, checked before use
         entry.lock              held while compiling or loading pieces (one process at a time)
+        manifest.json.lock      held while a process merges a bucket into the manifest
 
 The key hashes four factors: environment (compiler-relevant environment variables), config
 (the model config and the runtime options that change the graph), code (srt's own source and
@@ -396,22 +397,30 @@ class CompileCache:
 
 
 class BucketManifest:
-    """The buckets actually hit, per phase, across runs (rewritten atomically on each new one)."""
+    """The buckets actually hit, per phase, across runs and across the processes that share
+    the entry: each new bucket is merged into the file under a lock (so two servers never
+    drop each other's), and the file is replaced atomically."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.buckets: dict[str, list[int]] = {}
-        if path.exists():
-            try:
-                data = json.loads(path.read_text())
-                self.buckets = {k: sorted(int(b) for b in v) for k, v in data["buckets"].items()}
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                logger.warning("compile cache: ignoring unreadable manifest %s (%s)", path, e)
+        self.buckets: dict[str, list[int]] = self._read()
+
+    def _read(self) -> dict[str, list[int]]:
+        if not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+            return {k: sorted(int(b) for b in v) for k, v in data["buckets"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            logger.warning("compile cache: ignoring unreadable manifest %s (%s)", self.path, e)
+            return {}
 
     def record(self, phase: str, bucket: int) -> None:
-        hit = self.buckets.setdefault(phase, [])
-        if bucket in hit:
+        if bucket in self.buckets.get(phase, ()):
             return
-        hit.append(bucket)
-        hit.sort()
-        write_private(self.path, json.dumps({"buckets": self.buckets}, indent=2).encode())
+        with locked(self.path.with_name(self.path.name + ".lock")):
+            merged = self._read()  # with what other processes recorded meanwhile
+            for p, buckets in [*self.buckets.items(), (phase, [bucket])]:
+                merged[p] = sorted(set(merged.get(p, [])) | set(buckets))
+            write_private(self.path, json.dumps({"buckets": merged}, indent=2).encode())
+            self.buckets = merged
