@@ -53,7 +53,7 @@ def test_cache_key_follows_the_cpu_isa_and_features(monkeypatch: pytest.MonkeyPa
     assert cpu_key() != before
 
 
-def test_cache_key_follows_inductor_settings_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_key_follows_inductor_settings_and_threads() -> None:
     from torch._inductor import config
 
     before = cpu_key()
@@ -64,8 +64,8 @@ def test_cache_key_follows_inductor_settings_and_threads(monkeypatch: pytest.Mon
     finally:
         torch.set_num_threads(threads)
     assert cpu_key() == before
-    monkeypatch.setattr(config.cpp, "simdlen", 128)
-    assert cpu_key() != before
+    with config.patch({"cpp.simdlen": 128}):
+        assert cpu_key() != before
 
 
 def test_cache_key_follows_the_gpu_and_its_driver(monkeypatch: pytest.MonkeyPatch) -> None:
