@@ -263,6 +263,15 @@ def test_inductor_files_are_checked_against_the_index(
     with caplog.at_level(logging.WARNING), cache.inductor_session():
         assert kept.exists()
     assert caplog.text == ""
+    half = cache.inductor_dir / "gh" / "cgh.main.so"
+    with pytest.raises(KeyboardInterrupt), cache.inductor_session():
+        half.parent.mkdir()
+        half.write_bytes(b"\x7fELF")  # the linker was writing this when the process stopped
+        raise KeyboardInterrupt
+    assert stat.S_IMODE(half.stat().st_mode) == 0o600
+    with caplog.at_level(logging.WARNING), cache.inductor_session():
+        assert not half.exists() and kept.exists()
+    assert "removed 1 file(s)" in caplog.text and "gh/cgh.main.so" in caplog.text
 
 
 def test_every_path_of_an_entry_is_private(tmp_path: Path) -> None:

@@ -345,7 +345,8 @@ class CompileCache:
         against the index this cache wrote at the end of the last session (size and sha256):
         a file it did not record (left by a crashed build) or that changed (a truncated .so
         would crash the process in dlopen, beyond any except clause) is removed, and Inductor
-        rebuilds it from the artifact. At the end the files are made private and indexed."""
+        rebuilds it from the artifact. At the end the files are made private and indexed
+        (only after a session that succeeded: an interrupted one may leave half a build)."""
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
         waiting = f"compile cache: waiting for another process compiling into {self.dir}"
@@ -354,8 +355,13 @@ class CompileCache:
             try:
                 with temporary_cache_dir(str(self.inductor_dir)):
                     yield
-            finally:
-                self._index_inductor_files()
+            except BaseException:
+                # What a failed or interrupted session wrote may be half a build: leave it
+                # out of the index (the next session removes it), but private all the same.
+                self._make_inductor_files_private()
+                raise
+            self._make_inductor_files_private()
+            self._index_inductor_files()
 
     def _inductor_index_path(self) -> Path:
         return self.dir / "inductor-files.json"
@@ -385,10 +391,12 @@ class CompileCache:
                 len(removed), self.inductor_dir, ", ".join(removed[:5]),
             )
 
-    def _index_inductor_files(self) -> None:
-        for path in _tree(self.inductor_dir):
+    def _make_inductor_files_private(self) -> None:
+        for path in _tree(self.inductor_dir):  # Inductor writes 0755 / 0644
             if not path.is_symlink():
                 path.chmod(0o700 if path.is_dir() else 0o600)
+
+    def _index_inductor_files(self) -> None:
         index = {}
         for rel, path in self._inductor_files():
             data = path.read_bytes()
