@@ -1,5 +1,7 @@
 """tc_piecewise with Inductor (C++ on the CPU): parity with the uncompiled model, a warm start
-that compiles nothing, and corrupted artifacts detected and recompiled.
+that compiles nothing, and nothing loaded that the cache did not write for the piece: damaged
+or swapped artifacts and damaged Inductor builds are detected and recompiled; every file the
+cache writes is private.
 
 The cold engine compiles three distinct pieces (first, middle, last) once for the module; the
 other engines reuse its cache entry."""
@@ -9,6 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
+import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +24,7 @@ import torch
 from compile_helpers import greedy_ids, max_logit_error, tc_engine
 
 from srt import Engine
+from srt.compilation.cache import pack_artifact, unpack_artifact
 
 
 @pytest.fixture(scope="module")
@@ -76,30 +83,126 @@ def test_a_warm_start_compiles_nothing(
     assert info["cache_hit"] is True and sources(info) == ["loaded"] * 3
     assert "loaded from the cache" in caplog.text and "compile cache" in caplog.text
     assert "torch.compile took" in caplog.text
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def copy_of_the_cache(cold: Engine, tmp_path: Path) -> Path:
+    """A copy of the cold engine's cache root (same entry key) for a test to damage."""
+    root = tmp_path / "root"
+    shutil.copytree(Path(compile_info(cold)["cache_dir"]).parent, root)
+    return root
+
+
+def warnings_about(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
 
 
 def test_corrupted_artifacts_are_detected_and_recompiled(
-    tiny_llama: Path, cache_root: Path, cold: Engine, reference: list[list[int]],
+    tiny_llama: Path, cold: Engine, reference: list[list[int]], tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    pieces = Path(compile_info(cold)["cache_dir"]) / "pieces"
-    truncated, garbled = sorted(pieces.glob("inductor-*.bin"))[:2]
-    truncated.write_bytes(truncated.read_bytes()[:1000])  # checksum mismatch
-    garbled.write_bytes(b"not an artifact")  # checksum updated to match: fails to load
-    meta = garbled.with_suffix(".json")
-    digest = hashlib.sha256(b"not an artifact").hexdigest()
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "bytes": 15, "sha256": digest}))
+    root = copy_of_the_cache(cold, tmp_path)
+    truncated, flipped, garbled = sorted(root.glob("*/pieces/inductor-*.bin"))
+    truncated.write_bytes(truncated.read_bytes()[:-1000])  # the size check
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    flipped.write_bytes(bytes(data))
+    header, _ = unpack_artifact(garbled.read_bytes())  # a consistent header: fails to load
+    payload = b"not an artifact"
+    header.update(bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+    garbled.write_bytes(pack_artifact(header, payload))
     calls = count_inductor_compiles(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="srt.compilation.cache"):
-        with tc_engine(tiny_llama, cache_root, "inductor") as again:
+        with tc_engine(tiny_llama, root, "inductor") as again:
             info = compile_info(again)
             assert greedy_ids(again) == reference
             assert max_logit_error(again.runner) <= 1e-4
-    assert len(calls) == 2 and info["cache_hit"] is False
-    assert sorted(sources(info)) == ["compiled", "compiled", "loaded"]
-    warnings = [r.getMessage() for r in caplog.records if "corrupted or mismatched" in r.message]
-    assert len(warnings) == 2 and "checksum mismatch" in " ".join(warnings)
-    assert truncated.stat().st_size > 1000  # rewritten by the recompilation
+    assert len(calls) == 3 and info["cache_hit"] is False
+    assert sources(info) == ["compiled", "compiled", "compiled"]
+    reasons = {Path(m.split()[3]).name: m for m in warnings_about(caplog, "corrupted or mism")}
+    assert set(reasons) == {truncated.name, flipped.name, garbled.name}
+    assert "size mismatch" in reasons[truncated.name]
+    assert "checksum mismatch" in reasons[flipped.name]
+    assert "mismatch" not in reasons[garbled.name].split("(", 1)[1]  # the load itself failed
+    assert unpack_artifact(truncated.read_bytes())[0]["bytes"] > 1000  # rewritten
+
+
+def test_artifacts_swapped_between_pieces_are_rejected(
+    tiny_llama: Path, cold: Engine, reference: list[list[int]], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    root = copy_of_the_cache(cold, tmp_path)
+    first, second, _ = sorted(root.glob("*/pieces/inductor-*.bin"))
+    a, b = first.read_bytes(), second.read_bytes()
+    first.write_bytes(b)  # each a valid artifact, checksums and all, of the other piece
+    second.write_bytes(a)
+    calls = count_inductor_compiles(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="srt.compilation.cache"):
+        with tc_engine(tiny_llama, root, "inductor") as again:
+            assert greedy_ids(again) == reference
+            assert sorted(sources(compile_info(again))) == ["compiled", "compiled", "loaded"]
+    assert len(calls) == 2
+    rejected = warnings_about(caplog, "written for name")
+    assert len(rejected) == 2
+
+
+# A warm start in a child process: a damaged .so can kill the process that dlopens it
+# (SIGBUS), which must not take the test session with it.
+WARM_START = """
+import json, logging, sys
+from pathlib import Path
+sys.path.insert(0, "tests")
+from compile_helpers import greedy_ids, tc_engine
+records = []
+handler = logging.Handler()
+handler.emit = lambda r: records.append(r.getMessage())
+logging.getLogger("srt.compilation").addHandler(handler)
+logging.getLogger("srt.compilation").setLevel(logging.WARNING)
+with tc_engine(Path(sys.argv[1]), Path(sys.argv[2]), "inductor") as eng:
+    info = eng.get_server_info()["compile"]
+    print(json.dumps({"ids": greedy_ids(eng), "hit": info["cache_hit"], "warnings": records}))
+"""
+
+
+def warm_start_in_a_child(model: Path, root: Path) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", WARM_START, str(model), str(root)],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_damaged_inductor_output_is_rebuilt_not_loaded(
+    tiny_llama: Path, cold: Engine, reference: list[list[int]], tmp_path: Path,
+) -> None:
+    root = copy_of_the_cache(cold, tmp_path)
+    inductor = next(root.glob("*/inductor"))
+    kernels = sorted(inductor.glob("*/*.so"))
+    assert kernels
+    for so in kernels:  # truncated C++ builds: dlopen of one is a crash, not an exception
+        so.write_bytes(so.read_bytes()[:4096])
+    stray = inductor / "zz" / "czzz.main.so"  # a build this cache never recorded
+    stray.parent.mkdir()
+    stray.write_bytes(kernels[0].read_bytes())
+    damaged = warm_start_in_a_child(tiny_llama, root)
+    assert damaged["ids"] == reference
+    [removed] = [w for w in damaged["warnings"] if "did not write or that changed" in w]
+    assert f"removed {len(kernels) + 1} file(s)" in removed
+    again = warm_start_in_a_child(tiny_llama, root)  # and the rebuilt files are trusted
+    assert again == {"ids": reference, "hit": True, "warnings": []}
+
+
+def test_every_file_and_directory_the_cache_writes_is_private(
+    tiny_llama: Path, cache_root: Path, cold: Engine
+) -> None:
+    with tc_engine(tiny_llama, cache_root, "inductor"):  # a warm start rewrites some
+        pass
+    paths = [cache_root, *cache_root.rglob("*")]
+    assert any(p.suffix == ".so" for p in paths) and any(p.name == "locks" for p in paths)
+    loose = [f"{stat.S_IMODE(p.lstat().st_mode):o} {p}" for p in paths
+             if stat.S_IMODE(p.lstat().st_mode) != (0o700 if p.is_dir() else 0o600)]
+    assert loose == []
 
 
 @pytest.mark.gpu

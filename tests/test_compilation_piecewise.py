@@ -237,6 +237,8 @@ class Toy(nn.Module):
         x = self.embed(input_ids) + positions[:, None]
         if self.flaw == "shape_branch" and x.shape[0] > 4:
             x = x * 2
+        if self.flaw == "one_token_branch" and x.shape[0] == 1:
+            x = x * 2
         if self.flaw == "graph_break":
             torch._dynamo.graph_break()
         return self.proj(x)
@@ -254,6 +256,14 @@ def tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_a_shape_branch_fails_the_trace(tmp_path: Path) -> None:
     model = toy_model(tmp_path, "shape_branch")
     with pytest.raises(ShapeSpecializationError, match=r"depends on the token count.*`s\d+ > 4`"):
+        model.trace(*tokens(8))
+
+
+def test_a_branch_on_a_single_token_fails_the_trace(tmp_path: Path) -> None:
+    # Dynamo's symbol starts at 2, so it decides this without a guard; the general graph
+    # would silently drop the branch for the one-token batches it also serves.
+    model = toy_model(tmp_path, "one_token_branch")
+    with pytest.raises(ShapeSpecializationError, match=r"from 1 to 64 .*`Eq\(s\d+, 1\)`, False"):
         model.trace(*tokens(8))
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from srt.compilation.custom_ops import split_ops
+from srt.compilation.custom_ops import opcheck, split_ops
 from srt.layers.attention.base import create_attention_backend
 from srt.layers.attention.layer import attention_op
 from srt.model_executor.forward_batch import (
@@ -133,9 +133,7 @@ def test_opcheck_attention(device: str) -> None:
     case = make_case(device)
     out = torch.empty_like(case.q)
     with forward_context(case.batch):
-        torch.library.opcheck(
-            attention_op, (case.q, case.k, case.v, out, case.k_cache, case.v_cache, SCALING)
-        )
+        opcheck(attention_op, (case.q, case.k, case.v, out, case.k_cache, case.v_cache, SCALING))
 
 
 def test_attention_outside_a_forward_context_is_an_error() -> None:

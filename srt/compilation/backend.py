@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -29,27 +31,79 @@ from srt.compilation.split import SplitGraph, piece_signature, readable_graph, s
 logger = logging.getLogger(__name__)
 
 _HOW = {"eager": "the FX piece as is", "compiled": "compiled", "loaded": "loaded from the cache"}
-MIN_TOKENS = 2  # Dynamo specialises sizes 0 and 1, so the symbolic range starts at 2
+MIN_TOKENS = 2  # Dynamo specialises sizes 0 and 1, so the symbolic range starts at 2 ...
+SERVED_MIN_TOKENS = 1  # ... but with the guards dropped the general graph runs 1 token too
 
 
-def check_token_guards(shape_env: ShapeEnv, max_tokens: int) -> None:
-    """Raise if tracing made the graph depend on the token count: any shape guard not implied
-    by the declared range [MIN_TOKENS, max_tokens], other than two inputs' token counts
-    being equal (they are one symbol)."""
-    problems = []
+@dataclass
+class TokenDecision:
+    """A value Dynamo computed from the token count for the Python code it traced."""
+
+    expr: sympy.Basic
+    value: object
+    where: str
+
+
+@contextmanager
+def recording_token_decisions() -> Iterator[list[TokenDecision]]:
+    """Record every value Dynamo computes from a size expression for the traced Python code
+    (`if x.shape[0] == 1:`, `int(n)`, `range(n)`): the list fills while the trace runs.
+
+    Why not the guards alone: Dynamo's range for the token symbol starts at 2, so it decides
+    `x.shape[0] == 1` statically, adding no guard, and the one-token branch silently vanishes
+    from the graph that then serves one-token batches (a decode of one request). Dynamo's own
+    size checks inside operators do not come through here, only the traced code's."""
+    from torch._dynamo.variables.tensor import SymNodeVariable
+
+    real = SymNodeVariable.evaluate_expr
+    decisions: list[TokenDecision] = []
+
+    def evaluate_expr(self: SymNodeVariable, output_graph: Any = None) -> Any:
+        value = real(self, output_graph)
+        sym = self.sym_num
+        if isinstance(sym, torch.SymInt | torch.SymBool | torch.SymFloat):
+            node = sym.node
+            if node.expr.free_symbols:
+                where = str(node.shape_env._get_sloc()).strip() or "unknown location"
+                decisions.append(TokenDecision(node.expr, value, where))
+        return value
+
+    SymNodeVariable.evaluate_expr = evaluate_expr
+    try:
+        yield decisions
+    finally:
+        SymNodeVariable.evaluate_expr = real
+
+
+def check_token_guards(
+    shape_env: ShapeEnv, max_tokens: int, decisions: Sequence[TokenDecision] = ()
+) -> None:
+    """Raise if tracing made the graph depend on the token count: a shape guard, or a value
+    the traced code computed from the count (`decisions`), that is not the same for every
+    count the general graph serves, [SERVED_MIN_TOKENS, max_tokens]. Two inputs' token
+    counts being equal is fine (they are one symbol)."""
+    served = ValueRanges(SERVED_MIN_TOKENS, max_tokens)
+
+    def fixed(expr: sympy.Basic) -> bool:
+        return bound_sympy(expr, {s: served for s in expr.free_symbols}).is_singleton()
+
+    problems: dict[str, str] = {}
     for guard in shape_env.guards:
         expr = guard.expr
         if isinstance(expr, sympy.Eq) and all(isinstance(a, sympy.Symbol) for a in expr.args):
             continue
-        declared = {s: ValueRanges(MIN_TOKENS, max_tokens) for s in expr.free_symbols}
-        if bound_sympy(expr, declared).lower is sympy.true:
-            continue
-        problems.append(f"`{expr}` ({str(guard.sloc).strip() or 'unknown location'})")
+        if not fixed(expr):
+            where = str(guard.sloc).strip() or "unknown location"
+            problems.setdefault(str(expr), f"`{expr}` ({where})")
+    for d in decisions:
+        if not fixed(d.expr):
+            problems.setdefault(str(d.expr), f"`{d.expr}`, {d.value} when traced ({d.where})")
     if problems:
         raise ShapeSpecializationError(
             "the model forward depends on the token count, so one graph cannot serve every "
-            f"batch size: tracing added the shape guard(s) {'; '.join(problems)}. Remove the "
-            "Python branch on a tensor size (or the size used as a constant) in the forward."
+            f"batch size from {SERVED_MIN_TOKENS} to {max_tokens} tokens: tracing depended on "
+            f"{'; '.join(problems.values())}. Remove the Python branch on a tensor size (or "
+            "the size used as a constant) in the forward."
         )
 
 
@@ -90,6 +144,7 @@ class PiecewiseBackend:
         self.pieces_info: list[dict[str, Any]] = []
         self.compile_s = 0.0
         self.traces = 0
+        self.decisions: list[TokenDecision] = []  # filled while tracing (PiecewiseModel.trace)
 
     @property
     def cache_hit(self) -> bool | None:
@@ -102,7 +157,7 @@ class PiecewiseBackend:
         start = time.perf_counter()
         self.traces += 1
         fake_mode = detect_fake_mode(example_inputs)
-        check_token_guards(fake_mode.shape_env, self.max_tokens)
+        check_token_guards(fake_mode.shape_env, self.max_tokens, self.decisions)
         split = split_graph(gm)
         logger.info(
             "split at %s: %d compilable pieces, %d split regions",

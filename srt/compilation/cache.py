@@ -1,31 +1,41 @@
 """The compile cache: where compiled pieces live between runs, and when they may be reused.
 
-Layout, everything private to the user (directories 0700, files 0600):
+Layout, everything private to the user (directories 0700, files 0600, Inductor's own files
+included; a root that already exists with a looser mode is used, with a warning):
 
     <root>/                     --compile-cache-dir (default ~/.cache/srt/compile)
       <key>/                    one entry per cache key
         factors.json            the four factors the key hashes (read it to see why a key changed)
         computation_graph.py    the split graph as readable Python, every piece named
         manifest.json           buckets actually hit, per phase (prewarms a later start)
+        pieces/<name>.bin       a compiled piece: header (entry, name, size, sha256) + payload
         inductor/               Inductor's own cache while we compile or load (C++/Triton builds)
-        pieces/<name>.bin       a compiled piece (torch CompiledArtifact)
-        pieces/<name>.json      its size and sha256, checked before every load
+        inductor-files.json     size and sha256 of every file in inductor/, checked before use
+        entry.lock              held while compiling or loading pieces (one process at a time)
+        manifest.json.lock      held while a process merges a bucket into the manifest
 
 The key hashes four factors: environment (compiler-relevant environment variables), config
 (the model config and the runtime options that change the graph), code (srt's own source and
-the model's file) and compiler (torch, triton, Python, the device). An artifact whose checksum
-does not match, or that fails to load, is logged, removed and recompiled; never used blindly.
+the model's file) and compiler (torch, triton, Python, the device: the CPU's ISA and feature
+flags, Inductor's settings and thread count, the GPU's compute capability, driver and CUDA
+runtime). Nothing is loaded that this cache did not write for this entry: an artifact
+written for another entry or another piece, damaged, or failing to load is logged, removed
+and recompiled; a file in Inductor's directory that the index does not vouch for is removed
+and rebuilt.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import platform
+import stat
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -67,13 +77,9 @@ def source_files(roots: Iterable[Path]) -> list[Path]:
     return sorted(files)
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def code_factor(files: Sequence[Path]) -> str:
     """A hash of the files' contents, wherever the checkout lives (a fresh clone still hits)."""
-    contents = sorted(_sha256(path) for path in files)
+    contents = sorted(hashlib.sha256(path.read_bytes()).hexdigest() for path in files)
     return hashlib.sha256("".join(contents).encode()).hexdigest()
 
 
@@ -84,21 +90,80 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def compiler_factor(device: torch.device) -> dict[str, str | None]:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        device_name = f"{torch.cuda.get_device_name(index)} (sm_{major}{minor})"
-    else:
-        device_name = f"{device.type} {platform.machine()} {platform.processor()}".strip()
+def _cpuinfo_field(*names: str) -> str | None:
+    """The first `name : value` line of /proc/cpuinfo for any of `names` (None elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in names:
+            return value.strip()
+    return None
+
+
+def cpu_factor() -> dict[str, Any]:
+    """What the host CPU contributes to generated code. Inductor compiles its C++ with
+    `-march=native` and picks vector code by the ISA ATen reports, so a .so built here may
+    use instructions (AVX-512, AMX) another CPU lacks: the feature flags are part of the key,
+    hashed (x86 `flags`, Arm `Features`), with the ISA and model name to read."""
+    flags = _cpuinfo_field("flags", "Features")
     return {
+        "machine": platform.machine(),
+        "model": _cpuinfo_field("model name", "CPU part"),
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "flags": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
+        if flags else None,
+    }
+
+
+def inductor_factor(device: torch.device) -> dict[str, Any]:
+    """Inductor's settings that change its output: its whole (portable) config, hashed, and
+    on the CPU the thread count its C++ kernels are specialised for (`#pragma omp parallel
+    num_threads(N)` is generated code unless `cpp.dynamic_threads`)."""
+    from torch._inductor import config
+    from torch._inductor.utils import parallel_num_threads
+
+    settings = json.dumps(config.save_config_portable(), sort_keys=True, default=str)
+    factor: dict[str, Any] = {"config": hashlib.sha256(settings.encode()).hexdigest()[:16]}
+    if device.type == "cpu":
+        factor["threads"] = "dynamic" if config.cpp.dynamic_threads else parallel_num_threads()
+    return factor
+
+
+def cuda_factor(device: torch.device) -> dict[str, Any]:
+    """The GPU and the CUDA stack under it: Triton compiles for this compute capability (and
+    sizes persistent kernels by the SM count), through this driver and runtime."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    runtimes = sorted(
+        f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
+        if (d.metadata["Name"] or "").lower().startswith("nvidia-cuda-runtime")
+    )
+    return {
+        "name": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "multiprocessors": props.multi_processor_count,
+        "driver": torch._C._cuda_getDriverVersion(),
+        "runtime": torch.version.cuda,
+        "runtime_packages": runtimes,
+    }
+
+
+def compiler_factor(device: torch.device) -> dict[str, Any]:
+    factor: dict[str, Any] = {
         "torch": torch.__version__,
         "torch_git": torch.version.git_version,
-        "cuda": torch.version.cuda,
         "triton": _package_version("triton"),
         "python": platform.python_version(),
-        "device": device_name,
+        "device": device.type,
+        "cpu": cpu_factor(),  # CUDA graphs can hold CPU kernels too; the host is the host
+        "inductor": inductor_factor(device),
     }
+    if device.type == "cuda":
+        factor["cuda"] = cuda_factor(device)
+    return factor
 
 
 @dataclass
@@ -106,7 +171,7 @@ class CacheFactors:
     environment: dict[str, str]
     config: dict[str, Any]
     code: str
-    compiler: dict[str, str | None]
+    compiler: dict[str, Any]
 
     def key(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True, default=str)
@@ -130,17 +195,17 @@ def collect_factors(
 
 
 def make_private_dir(path: Path) -> Path:
-    """Create `path` (parents as usual) with mode 0700; an existing directory is left as is."""
-    if not path.is_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.mkdir(mode=0o700, exist_ok=True)
-        path.chmod(0o700)  # mkdir's mode is masked by the umask; say it exactly
+    """Create `path` (parents as usual) with mode 0700, or make an existing one 0700."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o700, exist_ok=True)
+    path.chmod(0o700)  # mkdir's mode is masked by the umask, and an old entry may be looser
     return path
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write `path` atomically (a reader sees the old file or the new one), mode 0600."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    """Write `path` atomically (a reader sees the old file or the new one, never part of
+    one), mode 0600."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # 0600
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -150,11 +215,66 @@ def write_private(path: Path, data: bytes) -> None:
         raise
 
 
+@contextmanager
+def locked(path: Path, waiting: str | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created 0600) across processes; log `waiting` if
+    another process holds it. The kernel drops the lock when its holder exits, crash or not."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                logger.info(waiting)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+# An artifact file is one unit: a magic line, the header's length (8 bytes, big-endian), the
+# header (JSON: which entry and which piece it was written for, the payload's size and
+# sha256), then the payload (what the compiler saved). Written whole under a temporary name
+# and renamed, so data and metadata can never disagree or be seen half-written.
+ARTIFACT_MAGIC = b"srt compiled artifact 1\n"
+
+
+def pack_artifact(header: dict[str, Any], payload: bytes) -> bytes:
+    head = json.dumps(header, sort_keys=True).encode()
+    return ARTIFACT_MAGIC + len(head).to_bytes(8, "big") + head + payload
+
+
+def unpack_artifact(data: bytes) -> tuple[dict[str, Any], bytes]:
+    if not data.startswith(ARTIFACT_MAGIC):
+        raise ValueError("not an srt artifact file")
+    start = len(ARTIFACT_MAGIC) + 8
+    end = start + int.from_bytes(data[len(ARTIFACT_MAGIC) : start], "big")
+    return json.loads(data[start:end]), data[end:]
+
+
+def _tree(root: Path) -> Iterator[Path]:
+    """Every file and directory under `root` (not `root` itself), parents first."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        yield from (here / d for d in dirnames)
+        yield from (here / f for f in filenames)
+
+
 class CompileCache:
     """One cache entry `<root>/<key>/` and the artifacts in it."""
 
     def __init__(self, root: Path, factors: CacheFactors) -> None:
-        self.root = make_private_dir(Path(root).expanduser())
+        root = Path(root).expanduser()
+        if root.is_dir() and stat.S_IMODE(root.stat().st_mode) & 0o077:
+            # Not ours to change (it may be a shared parent someone chose), but whoever can
+            # write into it can replace the code this process will load.
+            logger.warning(
+                "compile cache root %s has mode %o: other users can read or replace the "
+                "compiled code in it; make it 0700", root, stat.S_IMODE(root.stat().st_mode),
+            )
+        else:
+            make_private_dir(root)
+        self.root = root
         self.key = factors.key()
         self.dir = make_private_dir(self.root / self.key)
         self.pieces_dir = make_private_dir(self.dir / "pieces")
@@ -172,56 +292,143 @@ class CompileCache:
     def artifact_path(self, name: str) -> Path:
         return self.pieces_dir / f"{name}.bin"
 
-    def _meta_path(self, name: str) -> Path:
-        return self.pieces_dir / f"{name}.json"
-
     def save_artifact(self, name: str, save: Callable[[Path], None]) -> None:
-        """`save(path)` writes the artifact; its checksum is recorded next to it."""
-        path = self.artifact_path(name)
-        save(path)
-        path.chmod(0o600)
-        meta = {"bytes": path.stat().st_size, "sha256": _sha256(path), "torch": torch.__version__}
-        write_private(self._meta_path(name), json.dumps(meta).encode())
+        """`save(path)` writes the artifact; it is stored bound to this entry and `name`."""
+        with tempfile.TemporaryDirectory(dir=self.pieces_dir) as tmp:  # private (0700)
+            staged = Path(tmp) / name
+            save(staged)
+            payload = staged.read_bytes()
+        header = {
+            "entry": self.key, "name": name, "bytes": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(), "torch": torch.__version__,
+        }
+        write_private(self.artifact_path(name), pack_artifact(header, payload))
 
     def load_artifact(self, name: str, load: Callable[[Path], T]) -> T | None:
-        """`load(path)` of a stored artifact whose checksum matches; None when there is none,
-        or (logged, and the files removed) when it is corrupted or fails to load."""
-        path, meta_path = self.artifact_path(name), self._meta_path(name)
-        if not path.exists() and not meta_path.exists():
+        """`load(path)` of the artifact stored as `name` in this entry; None when there is
+        none, or (logged, and the file removed) when it was written for another entry or
+        another piece, is damaged, or fails to load."""
+        path = self.artifact_path(name)
+        if not path.exists():
             return None
         try:
-            meta = json.loads(meta_path.read_text())
-            size, expected = path.stat().st_size, meta["sha256"]
-            if size != meta["bytes"] or _sha256(path) != expected:
-                raise ValueError(f"checksum mismatch ({size} bytes, expected {meta['bytes']})")
-            return load(path)
+            header, payload = unpack_artifact(path.read_bytes())
+            for field, expected in (("entry", self.key), ("name", name)):
+                if header.get(field) != expected:
+                    raise ValueError(
+                        f"written for {field} {header.get(field)!r}, not {expected!r}"
+                    )
+            if len(payload) != header["bytes"]:
+                raise ValueError(f"size mismatch ({len(payload)} bytes, expected "
+                                 f"{header['bytes']})")
+            if hashlib.sha256(payload).hexdigest() != header["sha256"]:
+                raise ValueError("checksum mismatch")
+            with tempfile.TemporaryDirectory(dir=self.pieces_dir) as tmp:
+                staged = Path(tmp) / name
+                staged.write_bytes(payload)
+                return load(staged)
         except Exception as e:  # any failure means: do not use it, compile afresh
             logger.warning(
                 "compile cache: artifact %s is corrupted or mismatched (%s: %s); recompiling",
                 path, type(e).__name__, e,
             )
             path.unlink(missing_ok=True)
-            meta_path.unlink(missing_ok=True)
             return None
+
+    @contextmanager
+    def inductor_session(self) -> Iterator[None]:
+        """Compile or load Inductor pieces inside this: Inductor's own cache (C++ / Triton
+        builds, its FX graph cache) is the entry's `inductor/` directory.
+
+        One process at a time holds the entry (a second server waits, then loads what the
+        first compiled). Before anything loads from `inductor/`, every file there is checked
+        against the index this cache wrote at the end of the last session (size and sha256):
+        a file it did not record (left by a crashed build) or that changed (a truncated .so
+        would crash the process in dlopen, beyond any except clause) is removed, and Inductor
+        rebuilds it from the artifact. At the end the files are made private and indexed
+        (only after a session that succeeded: an interrupted one may leave half a build)."""
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        waiting = f"compile cache: waiting for another process compiling into {self.dir}"
+        with locked(self.dir / "entry.lock", waiting):
+            self._check_inductor_files()
+            try:
+                with temporary_cache_dir(str(self.inductor_dir)):
+                    yield
+            except BaseException:
+                # What a failed or interrupted session wrote may be half a build: leave it
+                # out of the index (the next session removes it), but private all the same.
+                self._make_inductor_files_private()
+                raise
+            self._make_inductor_files_private()
+            self._index_inductor_files()
+
+    def _inductor_index_path(self) -> Path:
+        return self.dir / "inductor-files.json"
+
+    def _inductor_files(self) -> Iterator[tuple[str, Path]]:
+        for path in _tree(self.inductor_dir):
+            rel = path.relative_to(self.inductor_dir)
+            if path.is_file() and not path.is_symlink() and rel.parts[0] != "locks":
+                yield rel.as_posix(), path
+
+    def _check_inductor_files(self) -> None:
+        index_path = self._inductor_index_path()
+        try:
+            index = json.loads(index_path.read_text()) if index_path.exists() else {}
+        except ValueError:
+            index = {}
+        removed = []
+        for rel, path in self._inductor_files():
+            data = path.read_bytes()
+            if index.get(rel) != [len(data), hashlib.sha256(data).hexdigest()]:
+                path.unlink()
+                removed.append(rel)
+        if removed:
+            logger.warning(
+                "compile cache: removed %d file(s) from %s that this cache did not write or "
+                "that changed since (%s); Inductor rebuilds them",
+                len(removed), self.inductor_dir, ", ".join(removed[:5]),
+            )
+
+    def _make_inductor_files_private(self) -> None:
+        for path in _tree(self.inductor_dir):  # Inductor writes 0755 / 0644
+            if not path.is_symlink():
+                path.chmod(0o700 if path.is_dir() else 0o600)
+
+    def _index_inductor_files(self) -> None:
+        index = {}
+        for rel, path in self._inductor_files():
+            data = path.read_bytes()
+            index[rel] = [len(data), hashlib.sha256(data).hexdigest()]
+        write_private(self._inductor_index_path(), json.dumps(index, indent=0).encode())
 
 
 class BucketManifest:
-    """The buckets actually hit, per phase, across runs (rewritten atomically on each new one)."""
+    """The buckets actually hit, per phase, across runs and across the processes that share
+    the entry: each new bucket is merged into the file under a lock (so two servers never
+    drop each other's), and the file is replaced atomically."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.buckets: dict[str, list[int]] = {}
-        if path.exists():
-            try:
-                data = json.loads(path.read_text())
-                self.buckets = {k: sorted(int(b) for b in v) for k, v in data["buckets"].items()}
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                logger.warning("compile cache: ignoring unreadable manifest %s (%s)", path, e)
+        self.buckets: dict[str, list[int]] = self._read()
+
+    def _read(self) -> dict[str, list[int]]:
+        if not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+            return {k: sorted(int(b) for b in v) for k, v in data["buckets"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            logger.warning("compile cache: ignoring unreadable manifest %s (%s)", self.path, e)
+            return {}
 
     def record(self, phase: str, bucket: int) -> None:
-        hit = self.buckets.setdefault(phase, [])
-        if bucket in hit:
+        if bucket in self.buckets.get(phase, ()):
             return
-        hit.append(bucket)
-        hit.sort()
-        write_private(self.path, json.dumps({"buckets": self.buckets}, indent=2).encode())
+        with locked(self.path.with_name(self.path.name + ".lock")):
+            merged = self._read()  # with what other processes recorded meanwhile
+            for p, buckets in [*self.buckets.items(), (phase, [bucket])]:
+                merged[p] = sorted(set(merged.get(p, [])) | set(buckets))
+            write_private(self.path, json.dumps({"buckets": merged}, indent=2).encode())
+            self.buckets = merged

@@ -2,7 +2,8 @@
 
 `register_custom_op` wraps `torch.library.custom_op` and registers the fake (meta)
 implementation in the same call, so no op exists without one; `custom_ops()` lists every op
-made this way (the tests opcheck each). `register_split_op`, applied where an op is defined,
+made this way (the tests check each with `opcheck`, torch's plus a stride check that torch
+before 2.12 skips on the CPU). `register_split_op`, applied where an op is defined,
 adds the op to the set of ops the piecewise compiler splits the graph at; `split_ops()` lists
 that set, since decentralised registration leaves no file to read it.
 """
@@ -13,6 +14,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch._prims_common import check_significant_strides, compare_tensor_meta
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 LIBRARY = "srt"
 _custom_ops: dict[str, torch.library.CustomOpDef] = {}
@@ -64,3 +68,46 @@ def op_qualname(target: object) -> str | None:
 
 def is_split_op(target: object) -> bool:
     return op_qualname(target) in _split_ops
+
+
+def check_fake_outputs(
+    op: torch.library.CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> None:
+    """Raise if the fake implementation's outputs differ from the real ones in shape, dtype,
+    device or (significant) strides. Compiled code is laid out by the fake's strides, so a
+    wrong stride there means a kernel reading the real output wrongly."""
+    kwargs = kwargs or {}
+    real_args = tree_map_only(torch.Tensor, torch.clone, (args, kwargs))  # the op may mutate
+    real = tree_leaves(op(*real_args[0], **real_args[1]))
+    with FakeTensorMode() as mode:
+        fake_args = tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+        fake = tree_leaves(op(*fake_args[0], **fake_args[1]))
+    name = f"the fake implementation of {op._qualname}"
+    if len(real) != len(fake):
+        raise AssertionError(f"{name} returns {len(fake)} values, the op {len(real)}")
+    for i, (r, f) in enumerate(zip(real, fake, strict=True)):
+        if isinstance(r, torch.Tensor) != isinstance(f, torch.Tensor):
+            raise AssertionError(f"{name}: output {i} is a tensor in one and not the other")
+        if not isinstance(r, torch.Tensor):
+            continue
+        try:
+            compare_tensor_meta(r, f, check_strides=False)
+        except Exception as e:
+            raise AssertionError(f"{name}: output {i}: {e}") from None
+        # Our own call: torch's stride comparison skips CPU tensors by default (only_cuda).
+        same, dim = check_significant_strides(r, f, only_cuda=False)
+        if not same:
+            raise AssertionError(
+                f"{name}: output {i}: Stride mismatch! {r.stride()} (real) and {f.stride()} "
+                f"(fake) differ at dimension {dim}"
+            )
+
+
+def opcheck(
+    op: torch.library.CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> None:
+    """`torch.library.opcheck(op, args, kwargs)` after `check_fake_outputs`: the same check on
+    every torch we support (torch 2.11's opcheck compares output strides for CUDA tensors
+    only, so a CPU fake with the wrong layout passed it)."""
+    check_fake_outputs(op, args, kwargs)
+    torch.library.opcheck(op, args, kwargs)

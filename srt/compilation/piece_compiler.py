@@ -3,8 +3,8 @@
 `eager` runs the FX piece as it is. `inductor` goes through `torch._inductor.standalone_compile`
 with the piece's symbolic shapes (`dynamic_shapes="from_graph"`), and the result is saved as a
 `CompiledArtifact` in the compile cache; a warm start loads it back without compiling. Run both
-inside the cache entry's Inductor directory (`CompileCache.inductor_dir`), so that the C++ /
-Triton builds an artifact refers to are there on the next start too.
+inside `CompileCache.inductor_session()`, so that the C++ / Triton builds an artifact refers to
+are in the entry (checked) on the next start too.
 """
 
 from __future__ import annotations

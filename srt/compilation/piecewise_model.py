@@ -8,8 +8,11 @@
 
 Tracing: `torch.compile(fullgraph=True, dynamic=False)` with the token dimension of
 `input_ids` and `positions` marked dynamic over [2, max_tokens] (one symbol: tracing proves
-them equal). A graph break, or a guard that narrows that range (a Python branch on the token
-count), fails the trace with a `CompilationError` naming it. Then every guard is dropped
+them equal; Dynamo specialises 0 and 1, so the symbol starts at 2, but the general graph also
+runs one-token batches). A graph break, or a guard or a decision of the traced code that is
+not the same for every count from 1 to max_tokens (a Python branch on the token count, even
+`x.shape[0] == 1`, which Dynamo decides without a guard), fails the trace with a
+`CompilationError` naming it. Then every guard is dropped
 (`guard_filter_fn`; `keep_shape_guards` keeps the shape guards, for debugging), and each later
 call runs under `set_stance("fail_on_recompile")`: no batch size can make Dynamo trace again,
 and an attempt is an error rather than a silent recompile.
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from srt.compilation.backend import MIN_TOKENS, PiecewiseBackend
+from srt.compilation.backend import MIN_TOKENS, PiecewiseBackend, recording_token_decisions
 from srt.compilation.cache import CompileCache
 from srt.compilation.custom_ops import split_ops
 from srt.compilation.dispatch import BucketDispatcher, PieceFn, Router
@@ -86,16 +89,13 @@ class PiecewiseModel:
             raise CompilationError("the model is already traced; it is traced once")
         for t in (input_ids, positions):
             torch._dynamo.mark_dynamic(t, 0, min=MIN_TOKENS, max=self.max_tokens)
-        inductor_dir = nullcontext()
-        if "inductor" in self.compilers:
-            from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
-            inductor_dir = temporary_cache_dir(str(self.cache.inductor_dir))
+        inductor = self.cache.inductor_session() if "inductor" in self.compilers else nullcontext()
         start = time.perf_counter()
         try:
             with (
                 torch.inference_mode(),
-                inductor_dir,
+                recording_token_decisions() as self.backend.decisions,
+                inductor,
                 torch._dynamo.config.patch(
                     recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT
                 ),

@@ -1,0 +1,331 @@
+"""The compile cache on its own (no model): the compiler factor of the key, artifacts bound to
+their entry and piece, atomic writes, the manifest shared by two processes, Inductor's files
+checked against the index, private modes, and piece signatures."""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import io
+import json
+import logging
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import fx
+
+from srt.compilation import cache as cache_module
+from srt.compilation.cache import BucketManifest, CacheFactors, CompileCache, collect_factors
+from srt.compilation.split import piece_signature
+
+
+def factors(config: dict[str, Any] | None = None) -> CacheFactors:
+    return CacheFactors({}, config or {"model": "toy"}, "code", {})
+
+
+def cpu_key() -> str:
+    return collect_factors({"dtype": "float32"}, torch.device("cpu"), Path(__file__)).key()
+
+
+# ---- the compiler factor -----------------------------------------------------------------------
+
+
+def test_cache_key_follows_the_cpu_isa_and_features(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = cpu_key()
+    assert cpu_key() == before
+    isa = torch.backends.cpu.get_cpu_capability()
+    other = "AVX2" if isa != "AVX2" else "AVX512"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
+    assert cpu_key() != before
+    monkeypatch.undo()
+    real = cache_module._cpuinfo_field
+
+    def fewer_flags(*names: str) -> str | None:  # same model, one feature less (-march=native)
+        value = real(*names)
+        return " ".join(value.split()[1:]) if value and "flags" in names else value
+
+    monkeypatch.setattr(cache_module, "_cpuinfo_field", fewer_flags)
+    assert cpu_key() != before
+
+
+def test_cache_key_follows_inductor_settings_and_threads() -> None:
+    from torch._inductor import config
+
+    before = cpu_key()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # Inductor's C++ bakes the thread count in
+        assert cpu_key() != before
+    finally:
+        torch.set_num_threads(threads)
+    assert cpu_key() == before
+    with config.patch({"cpp.simdlen": 128}):
+        assert cpu_key() != before
+
+
+def test_cache_key_follows_the_gpu_and_its_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Props:
+        name, major, minor, multi_processor_count = "NVIDIA H200", 9, 0, 132
+
+    props = Props()
+    driver = [13000]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: driver[0], raising=False)
+
+    def key() -> str:
+        return collect_factors({}, torch.device("cuda"), Path(__file__)).key()
+
+    before = key()
+    assert key() == before
+    props.major = 8  # another compute capability
+    assert key() != before
+    props.major = 9
+    driver[0] = 12080
+    assert key() != before
+    factor = collect_factors({}, torch.device("cuda"), Path(__file__)).compiler["cuda"]
+    assert factor["capability"] == "9.0" and factor["driver"] == 12080
+    assert "runtime" in factor
+
+
+# ---- artifacts ----------------------------------------------------------------------------------
+
+
+def save(cache: CompileCache, name: str, payload: bytes) -> None:
+    cache.save_artifact(name, lambda path: path.write_bytes(payload))
+
+
+def load(cache: CompileCache, name: str) -> bytes | None:
+    return cache.load_artifact(name, lambda path: path.read_bytes())
+
+
+def rejections(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "corrupted or mismatched" in r.message]
+
+
+def test_an_artifact_copied_from_another_entry_is_rejected(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ours, theirs = CompileCache(tmp_path, factors()), CompileCache(tmp_path, factors({"m": 2}))
+    save(theirs, "inductor-abc-t64", b"compiled for the other config")
+    theirs.artifact_path("inductor-abc-t64").rename(ours.artifact_path("inductor-abc-t64"))
+    with caplog.at_level(logging.WARNING):
+        assert load(ours, "inductor-abc-t64") is None
+    [why] = rejections(caplog)
+    assert f"written for entry {theirs.key!r}, not {ours.key!r}" in why
+    assert not ours.artifact_path("inductor-abc-t64").exists()  # removed, to be recompiled
+
+
+def test_artifacts_swapped_between_pieces_are_rejected(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = CompileCache(tmp_path, factors())
+    save(cache, "piece-a", b"code of piece a")
+    save(cache, "piece-b", b"code of piece b")
+    a, b = cache.artifact_path("piece-a"), cache.artifact_path("piece-b")
+    a_bytes = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(a_bytes)
+    with caplog.at_level(logging.WARNING):
+        assert load(cache, "piece-a") is None and load(cache, "piece-b") is None
+    assert len([w for w in rejections(caplog) if "written for name" in w]) == 2
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    (lambda data: data[:-3], "size mismatch"),
+    (lambda data: data[:-3] + bytes(b ^ 0xFF for b in data[-3:]), "checksum mismatch"),
+])
+def test_a_damaged_artifact_is_rejected(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: Callable[[bytes], bytes],
+    reason: str,
+) -> None:
+    cache = CompileCache(tmp_path, factors())
+    save(cache, "piece", b"compiled code")
+    assert load(cache, "piece") == b"compiled code"
+    path = cache.artifact_path("piece")
+    path.write_bytes(damage(path.read_bytes()))
+    with caplog.at_level(logging.WARNING):
+        assert load(cache, "piece") is None
+    [why] = rejections(caplog)
+    assert reason in why
+
+
+class HalfWrites:
+    """A file whose writes stop half-way with a full disk (a crash mid-write, as seen by a
+    reader of the file)."""
+
+    def __init__(self, f: io.IOBase) -> None:
+        self.f = f
+
+    def write(self, data: bytes) -> int:
+        self.f.write(data[: len(data) // 2])
+        self.f.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+    def __enter__(self) -> HalfWrites:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+
+def writes_fail_half_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = io.open
+
+    def failing_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = real(file, mode, *args, **kwargs)
+        return HalfWrites(f) if any(c in mode for c in "wax+") else f
+
+    monkeypatch.setattr(io, "open", failing_open)  # os.fdopen and pathlib open through it
+    monkeypatch.setattr(builtins, "open", failing_open)
+
+
+def test_an_interrupted_artifact_write_leaves_the_old_artifact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def save_raw(path: Path) -> None:  # the compiler's own write succeeds; the cache's fails
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, b"new compiled code " * 100)
+        os.close(fd)
+
+    cache = CompileCache(tmp_path, factors())
+    save(cache, "piece", b"old compiled code " * 100)
+    with monkeypatch.context() as m:
+        writes_fail_half_way(m)
+        with pytest.raises(OSError, match="No space left"):
+            cache.save_artifact("piece", save_raw)
+    assert load(cache, "piece") == b"old compiled code " * 100
+    assert sorted(p.name for p in cache.pieces_dir.iterdir()) == ["piece.bin"]
+
+
+# ---- the manifest -------------------------------------------------------------------------------
+
+
+def test_two_processes_on_one_entry_keep_each_others_buckets(tmp_path: Path) -> None:
+    path = tmp_path / "manifest.json"
+    first, second = BucketManifest(path), BucketManifest(path)  # both started on an empty one
+    first.record("decode", 1)
+    second.record("decode", 4)
+    first.record("prefill", 8)
+    second.record("decode", 1)
+    assert json.loads(path.read_text()) == {"buckets": {"decode": [1, 4], "prefill": [8]}}
+    assert BucketManifest(path).buckets == {"decode": [1, 4], "prefill": [8]}
+
+
+def test_an_interrupted_manifest_write_leaves_the_old_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "manifest.json"
+    manifest = BucketManifest(path)
+    manifest.record("decode", 1)
+    with monkeypatch.context() as m:
+        writes_fail_half_way(m)
+        with pytest.raises(OSError, match="No space left"):
+            manifest.record("decode", 2)
+    assert json.loads(path.read_text()) == {"buckets": {"decode": [1]}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "manifest.json.lock"]
+
+
+# ---- Inductor's directory, modes ----------------------------------------------------------------
+
+
+def test_inductor_files_are_checked_against_the_index(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = CompileCache(tmp_path, factors())
+    built = cache.inductor_dir / "ab" / "cab.main.so"
+    kept = cache.inductor_dir / "cd" / "ccd.py"
+    with cache.inductor_session():  # what Inductor writes while compiling
+        built.parent.mkdir()
+        built.write_bytes(b"\x7fELF" + bytes(1000))
+        kept.parent.mkdir()
+        kept.write_text("code = 1\n")
+        (cache.inductor_dir / "locks").mkdir()
+        (cache.inductor_dir / "locks" / "cab.lock").write_bytes(b"")
+    built.write_bytes(built.read_bytes()[:100])  # truncated afterwards
+    stray = cache.inductor_dir / "ef" / "cef.main.so"  # never recorded (a crashed build)
+    stray.parent.mkdir()
+    stray.write_bytes(b"\x7fELF")
+    with caplog.at_level(logging.WARNING), cache.inductor_session():
+        assert not built.exists() and not stray.exists()
+        assert kept.read_text() == "code = 1\n"
+        assert (cache.inductor_dir / "locks" / "cab.lock").exists()
+    assert "removed 2 file(s)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), cache.inductor_session():
+        assert kept.exists()
+    assert caplog.text == ""
+    half = cache.inductor_dir / "gh" / "cgh.main.so"
+    with pytest.raises(KeyboardInterrupt), cache.inductor_session():
+        half.parent.mkdir()
+        half.write_bytes(b"\x7fELF")  # the linker was writing this when the process stopped
+        raise KeyboardInterrupt
+    assert stat.S_IMODE(half.stat().st_mode) == 0o600
+    with caplog.at_level(logging.WARNING), cache.inductor_session():
+        assert not half.exists() and kept.exists()
+    assert "removed 1 file(s)" in caplog.text and "gh/cgh.main.so" in caplog.text
+
+
+def test_every_path_of_an_entry_is_private(tmp_path: Path) -> None:
+    cache = CompileCache(tmp_path / "root", factors())
+    save(cache, "piece", b"code")
+    cache.manifest.record("decode", 1)
+    cache.write_text("computation_graph.py", "# graph\n")
+    with cache.inductor_session():  # Inductor writes with its own modes (0755 / 0644)
+        sub = cache.inductor_dir / "ab"
+        sub.mkdir(mode=0o755)
+        (sub / "cab.so").write_bytes(b"so")
+        (sub / "cab.so").chmod(0o755)
+    paths = [cache.root, *cache.root.rglob("*")]
+    modes = {p.relative_to(cache.root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in paths}
+    assert {p: m for p, m in modes.items()
+            if m != (0o700 if (cache.root / p).is_dir() else 0o600)} == {}
+    assert {"entry.lock", "manifest.json.lock", "inductor-files.json", "factors.json"} <= {
+        Path(p).name for p in modes}
+
+
+def test_a_cache_root_with_a_loose_mode_gets_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o755)
+    with caplog.at_level(logging.WARNING):
+        cache = CompileCache(root, factors())
+    assert "has mode 755" in caplog.text and "make it 0700" in caplog.text
+    assert stat.S_IMODE(cache.dir.stat().st_mode) == 0o700
+    caplog.clear()
+    root.chmod(0o700)
+    for d in (cache.dir, cache.pieces_dir):  # an entry left looser (an older srt, a copy)
+        d.chmod(0o755)
+    with caplog.at_level(logging.WARNING):
+        CompileCache(root, factors())
+    assert caplog.text == ""  # ours: made private again without a word
+    assert {stat.S_IMODE(d.stat().st_mode) for d in (cache.dir, cache.pieces_dir)} == {0o700}
+
+
+# ---- piece signatures ---------------------------------------------------------------------------
+
+
+def test_piece_signatures_follow_argument_shapes_strides_and_dtypes() -> None:
+    def piece(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, w).relu()
+
+    gm = fx.symbolic_trace(piece)
+
+    def sig(*args: torch.Tensor) -> str:
+        return piece_signature(gm, args)
+
+    x, w = torch.empty(4, 8), torch.empty(16, 8)
+    assert sig(x, w) == sig(torch.empty(4, 8), torch.empty(16, 8))
+    assert sig(x, torch.empty(32, 8)) != sig(x, w)  # a wider layer: another kernel
+    assert sig(x, torch.empty(8, 16).t()) != sig(x, w)  # same shape, transposed weight
+    assert sig(x, w.half()) != sig(x, w)
