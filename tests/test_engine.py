@@ -121,6 +121,7 @@ def test_stop_string(engine: Engine, full: dict[str, Any]) -> None:
     n = len(out["output_ids"])
     assert out["output_ids"] == full["output_ids"][:n] and n < 32
     assert stop in engine.tokenizer.decode(out["output_ids"])  # it ran until the stop appeared
+    assert not engine.scheduler.reqs  # and no further: the scheduler was told to stop it
 
 
 def test_stop_token_ids(engine: Engine, full: dict[str, Any]) -> None:

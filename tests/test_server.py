@@ -201,6 +201,22 @@ def test_n_seed_stop_and_logprobs(client: openai.OpenAI, model: str) -> None:
     assert all(len(c.top_logprobs) == 2 for c in content)
 
 
+def test_a_stop_string_ends_the_request_in_the_scheduler_too(client: openai.OpenAI, model: str,
+                                                            server: ServerProcess) -> None:
+    # The scheduler sees ids only: the tokenizer side, which matched the stop string, aborts
+    # the request there, which frees its KV slots long before max_tokens.
+    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=24,
+                                       temperature=0).choices[0].text
+    stop = next(greedy[k:k + 3] for k in range(2, len(greedy) - 3)
+                if greedy[k:k + 3].isalpha() and greedy.index(greedy[k:k + 3]) == k)
+    before = server.info()["scheduler"]["generated_tokens"]
+    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=1900, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < 24
+    assert _wait_for(lambda: server.info()["scheduler"]["running_requests"] == 0)
+    assert server.info()["scheduler"]["generated_tokens"] - before < 100
+
+
 def test_64_concurrent_streams(server: ServerProcess, model: str) -> None:
     before = server.info()["scheduler"]
     asked = [4 + i % 13 for i in range(64)]

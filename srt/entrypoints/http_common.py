@@ -43,7 +43,7 @@ class EventStream(StreamingResponse):
         try:
             await super().stream_response(send)
         finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.body_iterator.aclose()
 
 
 def error_body(message: str, err_type: str = "invalid_request_error", param: str | None = None,

@@ -40,6 +40,7 @@ class Req:
     params: SamplingParams
     seed: int
     stream: bool = False
+    max_new_tokens: int = 0  # the params' own, resolved by the front end before admission
     output_ids: list[int] = field(default_factory=list)
     row: int = -1  # request-to-token table row, -1 while waiting
     # KV slots of tokens [0, kv_len): the first `num_slots` entries of a buffer that grows by
@@ -79,7 +80,7 @@ class Req:
     @property
     def future_need(self) -> int:
         """KV slots this request may still allocate."""
-        return len(self.input_ids) + self.params.max_new_tokens - self.num_slots
+        return len(self.input_ids) + self.max_new_tokens - self.num_slots
 
 
 class Scheduler:
@@ -126,7 +127,8 @@ class Scheduler:
         if req.rid in self.reqs:
             raise ValueError(f"duplicate request id {req.rid!r}")
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        r = Req(req.rid, list(req.input_ids), params, seed, req.stream)
+        assert params.max_new_tokens is not None  # check_seq refuses it otherwise
+        r = Req(req.rid, list(req.input_ids), params, seed, req.stream, params.max_new_tokens)
         self.reqs[r.rid] = r
         self.waiting.append(r)
 
@@ -181,7 +183,7 @@ class Scheduler:
             if req is self.chunked:
                 self.chunked = None
             new_ids: list[int] = []
-            if req.params.max_new_tokens == 0:
+            if req.max_new_tokens == 0:
                 req.finished_reason = "length"
             else:
                 token = int(result.next_token_ids[i])
@@ -322,7 +324,7 @@ class Scheduler:
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             req.finished_reason, req.matched_stop = "stop", token
-        elif len(req.output_ids) >= p.max_new_tokens:
+        elif len(req.output_ids) >= req.max_new_tokens:
             req.finished_reason = "length"
 
     def _release(self, req: Req) -> None:
