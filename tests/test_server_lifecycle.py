@@ -40,17 +40,24 @@ def _read_stream(srv: ServerProcess, events: list[str], started: threading.Event
                     started.set()
 
 
-def test_sigterm_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path, sig: signal.Signals
+                                     ) -> None:
     srv = _start(tiny_llama, tmp_path, script=True)  # `python launch_server.py`
     try:
-        # Until the children are ready, /v1/models answers 503 like the other endpoints.
+        # Until the children are ready, /v1/models answers 503 like the other endpoints. A
+        # /v1/models answer counts when a later /health still said 503 (ready never goes back).
         models_while_starting = []
-        while (health := httpx.get(f"{srv.url}/health", timeout=5).status_code
-               if _listening(srv) else None) != 200:
-            if health == 503:
-                models_while_starting.append(httpx.get(f"{srv.url}/v1/models", timeout=5))
+        health = None
+        while health != 200:
             assert srv.proc.poll() is None, srv.log()
             time.sleep(0.05)
+            if not _listening(srv):
+                continue
+            models = httpx.get(f"{srv.url}/v1/models", timeout=5)
+            health = httpx.get(f"{srv.url}/health", timeout=5).status_code
+            if health == 503:
+                models_while_starting.append(models)
         assert models_while_starting, "never saw the server starting"
         for resp in models_while_starting:
             assert resp.status_code == 503 and resp.json()["error"]["code"] == "unavailable"
@@ -70,7 +77,7 @@ def test_sigterm_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
             reader.start()
         for _, started in streams:
             assert started.wait(60), srv.log()
-        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.send_signal(sig)
         for reader in readers:
             reader.join(60)
         code, _ = _wait_exit(srv, 30)
@@ -84,7 +91,7 @@ def test_sigterm_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
         assert not Path(info["ipc_dir"]).exists()
         log = srv.log()
         for line in ("model_runner ready after", "scheduler ready after", "server ready in",
-                     "received SIGTERM", "server stopped"):
+                     f"received {sig.name}", "server stopped"):
             assert line in log, log
         # One line for the streams it ended, not a traceback each.
         assert log.count("shutting down: ended 3 sequence(s) in flight") == 1, log
