@@ -29,7 +29,7 @@ def main() -> None:
                       chunked_prefill_size=1 << 30, enable_prefix_caching=False)
     total = ns.requests * (ns.prompt_len + ns.steps + 1) + 1
     sched = Scheduler(args, num_slots=total, context_length=ns.prompt_len + ns.steps + 2,
-                      vocab_size=32000, eos_token_ids=[], decode_tail=lambda ids: "")
+                      vocab_size=32000, eos_token_ids=[])
     rng = np.random.default_rng(0)
     for i in range(ns.requests):
         prompt = rng.integers(0, 32000, ns.prompt_len).tolist()

@@ -3,9 +3,13 @@ and the model runner, connected by ZeroMQ in a private temporary directory.
 
     python -m srt.launch_server [--model-path DIR] [flags]
 
+Flags are checked, and the port bound, before anything heavy is imported or started: a bad flag
+or a port in use fails at once, with argparse's kind of message naming the flag.
+
 `/health` answers 503 until both children have reported ready. A child that dies takes the
-server down with a non-zero exit; SIGINT and SIGTERM shut everything down cleanly. Either way
-no child outlives the launcher and the ipc directory is removed.
+server down with a non-zero exit; SIGINT and SIGTERM shut everything down cleanly (open streams
+end with an error event and `[DONE]`). Either way no child outlives the launcher and the ipc
+directory is removed.
 """
 
 from __future__ import annotations
@@ -16,31 +20,28 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import uvicorn
-import uvloop
+from srt.server_args import ServerArgs, ServerArgsError
 
-from srt.engine import resolve_model_path
-from srt.entrypoints.http_server import create_app
-from srt.entrypoints.metrics import graph_figures
-from srt.managers.ipc import Endpoints
-from srt.managers.scheduler_process import run_scheduler_process
-from srt.managers.tokenizer_manager import TokenizerManager
-from srt.model_config import ModelConfig, ModelLoadError
-from srt.model_executor.runner_process import run_runner_process
-from srt.process import configure_logging
-from srt.server_args import ServerArgs
+if TYPE_CHECKING:  # imported when the server starts, once its flags are known to be good
+    import uvicorn
+
+    from srt.managers.ipc import Endpoints
+    from srt.managers.tokenizer_manager import TokenizerManager
+    from srt.model_config import ModelConfig
 
 logger = logging.getLogger("srt.launch_server")
 
 _SUPERVISE_S = 0.2  # how often children are checked
 _GRACEFUL_SHUTDOWN_S = 3  # open HTTP requests get this long to finish on shutdown
 _CHILD_STOP_S = 5  # SIGTERM, then SIGKILL after this long
+_SHUTDOWN_REASON = "the server is shutting down"
 
 
 class BackendFailed(RuntimeError):
@@ -93,6 +94,8 @@ class Child:
 
 class Launcher:
     def __init__(self, args: ServerArgs) -> None:
+        from srt.managers.ipc import Endpoints
+
         self.args = args
         self.started = time.perf_counter()
         self.endpoints = Endpoints.create()
@@ -108,8 +111,16 @@ class Launcher:
         if self.server is not None:
             self.server.should_exit = True
 
-    def run(self, model_config: ModelConfig) -> int:
-        """Serve until a signal (exit code 0) or a child failure (1)."""
+    def run(self, model_config: ModelConfig, sock: socket.socket) -> int:
+        """Serve on `sock` until a signal (exit code 0) or a child failure (1)."""
+        import uvicorn
+        import uvloop
+
+        from srt.entrypoints.http_server import create_app
+        from srt.managers.scheduler_process import run_scheduler_process
+        from srt.managers.tokenizer_manager import TokenizerManager
+        from srt.model_executor.runner_process import run_runner_process
+
         for name, target in [("model_runner", run_runner_process),
                              ("scheduler", run_scheduler_process)]:
             self.children[name] = Child(name, target, self.args, self.endpoints)
@@ -121,10 +132,9 @@ class Launcher:
         )
         self.server = uvicorn.Server(config)
         self.server.should_exit = self.stopping
-        sock = config.bind_socket()  # exits with uvicorn's message if the port is taken
         return uvloop.run(self._serve(sock))
 
-    async def _serve(self, sock: Any) -> int:
+    async def _serve(self, sock: socket.socket) -> int:
         assert self.server is not None and self.manager is not None
         outputs = asyncio.create_task(self.manager.handle_outputs())
         supervisor = asyncio.create_task(self._supervise(outputs))
@@ -154,9 +164,16 @@ class Launcher:
             if not self.manager.ready and all(c.figures for c in self.children.values()):
                 self._mark_ready()
             await asyncio.sleep(_SUPERVISE_S)
+        # A signal: requests in flight end now, with an error (a final event and [DONE] for a
+        # stream), rather than being cut off when the graceful shutdown runs out.
+        ended = self.manager.fail(_SHUTDOWN_REASON)
+        if ended:
+            logger.info("shutting down: ended %d sequence(s) in flight", ended)
         return 0
 
     def _mark_ready(self) -> None:
+        from srt.managers.metrics import graph_figures
+
         assert self.manager is not None
         runner = self.children["model_runner"].figures
         scheduler = self.children["scheduler"].figures
@@ -203,12 +220,31 @@ def _without_info(figures: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in figures.items() if k != "info"}
 
 
-def launch_server(args: ServerArgs) -> int:
-    """Run the server in this process until it stops; returns the exit code."""
+def bind(args: ServerArgs) -> socket.socket:
+    """The listening socket, bound before anything starts: a port in use fails at once."""
+    try:
+        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((args.host, args.port), family=family)
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or str(e)
+        raise ServerArgsError("port", f"cannot listen on {args.host}:{args.port}: "
+                                      f"{reason}") from e
+
+
+def launch_server(args: ServerArgs, sock: socket.socket) -> int:
+    """Run the server in this process, on the bound `sock`, until it stops; returns the exit
+    code."""
+    from srt.engine import resolve_model_path
+    from srt.managers.tokenizer import check_tokenizer_files
+    from srt.model_config import ModelConfig, ModelLoadError, warn_past_positions
+    from srt.process import configure_logging
+
     configure_logging(args.log_level, "tokenizer")
     try:
         args.model_path = resolve_model_path(args)
         model_config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
+        warn_past_positions(model_config, args.context_length)
+        check_tokenizer_files(args.tokenizer_path or args.model_path)
     except ModelLoadError as e:
         logger.error("%s", e)
         return 1
@@ -216,9 +252,13 @@ def launch_server(args: ServerArgs) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, launcher.on_signal)
     try:
-        code = launcher.run(model_config)
+        code = launcher.run(model_config, sock)
+    except ModelLoadError as e:  # the tokenizer, loaded while the children start
+        logger.error("%s", e)
+        code = 1
     finally:
         launcher.cleanup()
+        sock.close()
     logger.info("server stopped%s", "" if code == 0 else f" (exit code {code})")
     return code
 
@@ -229,7 +269,13 @@ def main(argv: list[str] | None = None) -> None:
         description="Serve a model over an OpenAI-compatible HTTP API.",
     )
     ServerArgs.add_cli_args(parser)
-    sys.exit(launch_server(ServerArgs.from_cli_args(parser.parse_args(argv))))
+    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    try:
+        args.check()
+        sock = bind(args)
+    except ServerArgsError as e:
+        parser.error(str(e))
+    sys.exit(launch_server(args, sock))
 
 
 if __name__ == "__main__":

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,6 +91,15 @@ class ModelConfig:
                 f"num_key_value_heads {result.num_kv_heads}"
             )
         return result
+
+
+def warn_past_positions(config: ModelConfig, context_length: int | None) -> None:
+    """A context longer than the model was trained for runs, but past its positions the
+    output is not to be trusted: say so."""
+    if context_length is not None and context_length > config.max_position_embeddings:
+        logger.warning("--context-length %d is larger than the model's max_position_embeddings "
+                       "%d; output past that position may be poor", context_length,
+                       config.max_position_embeddings)
 
 
 def _resolve_dtype(dtype: str, cfg: dict[str, Any]) -> torch.dtype:

@@ -1,15 +1,32 @@
-"""Per-request sampling parameters (SGLang's names), validated once at submission."""
+"""Per-request sampling parameters (SGLang's names), and the one place their values are checked.
+
+Types are checked as strictly as JSON allows (a string is not a boolean, a float is not an
+integer), and every number has both bounds, so that no value can overflow a fixed-width array
+further down.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from srt.errors import InvalidRequest
+
+MAX_TOP_LOGPROBS = 20  # as the OpenAI API
+# Stop strings are matched on every step of a request; these bound the matcher's size.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+_INT64 = 2**63
 
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    # None: the API's default, cut to what the context leaves after the prompt. The front end
+    # resolves it before a request reaches the scheduler.
+    max_new_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: whole vocabulary
@@ -23,52 +40,79 @@ class SamplingParams:
     top_logprobs_num: int = 0
 
     @classmethod
-    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
-        params = dict(params or {})
+    def from_dict(cls, params: Mapping[str, Any] | None) -> SamplingParams:
+        """Parameters from a dict of SGLang's names; null means the default, as in the OpenAI
+        API. Values are checked by `verify`."""
+        if params is not None and not isinstance(params, Mapping):
+            raise InvalidRequest(f"sampling_params must be an object, got {params!r}",
+                                 param="sampling_params")
+        given = {k: v for k, v in (params or {}).items() if v is not None}
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - names)
+        unknown = sorted(set(given) - names)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        if isinstance(params.get("stop"), str):
-            params["stop"] = [params["stop"]]
-        for key in ("stop", "stop_token_ids"):
-            if params.get(key) is None:
-                params.pop(key, None)
-        out = cls(**params)
-        out.verify()
-        return out
+            raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}",
+                                 param=unknown[0])
+        if isinstance(given.get("stop"), str):
+            given["stop"] = [given["stop"]]
+        return cls(**given)
 
-    def verify(self) -> None:
-        def check(ok: bool, message: str) -> None:
+    def verify(self, vocab_size: int, names: Mapping[str, str] | None = None) -> None:
+        """InvalidRequest for a value out of its type or range. `names` maps a field to what
+        the caller calls it (OpenAI's `max_tokens` for `max_new_tokens`), for the message."""
+
+        def check(ok: bool, name: str, rule: str, value: Any = None, show: bool = True) -> None:
             if not ok:
-                raise ValueError(message)
+                called = (names or {}).get(name, name)
+                got = f", got {value!r}" if show else ""
+                raise InvalidRequest(f"{called} {rule}{got}", param=called)
 
-        check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
-              f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
-        check(_is_number(self.temperature) and self.temperature >= 0,
-              f"temperature must be >= 0, got {self.temperature!r}")
-        check(_is_number(self.top_p) and 0 < self.top_p <= 1,
-              f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-              f"top_k must be -1 or >= 1, got {self.top_k!r}")
-        check(_is_number(self.min_p) and 0 <= self.min_p < 1,
-              f"min_p must be in [0, 1), got {self.min_p!r}")
-        check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63),
-              f"seed must be a 64-bit integer, got {self.seed!r}")
-        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-              "stop must be a non-empty string or a list of them")
+        m = self.max_new_tokens
+        check(m is None or (_is_int(m) and m >= 0), "max_new_tokens",
+              "must be a non-negative integer", m)
+        check(_is_finite(self.temperature) and self.temperature >= 0, "temperature",
+              "must be >= 0", self.temperature)
+        check(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]",
+              self.top_p)
+        check(_is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= vocab_size),
+              "top_k", f"must be -1 or in [1, {vocab_size}] (the vocabulary)", self.top_k)
+        check(_is_finite(self.min_p) and 0 <= self.min_p < 1, "min_p", "must be in [0, 1)",
+              self.min_p)
+        check(self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),
+              "seed", "must be a 64-bit integer", self.seed)
+        stop = self.stop
+        check(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop), "stop",
+              "must be a non-empty string or a list of them", show=False)
+        check(len(stop) <= MAX_STOP_STRINGS, "stop",
+              f"takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", show=False)
+        check(all(len(s) <= MAX_STOP_STRING_CHARS for s in stop), "stop",
+              f"strings must be at most {MAX_STOP_STRING_CHARS} characters", show=False)
+        check(all(is_encodable(s) for s in stop), "stop", "must be valid Unicode (a lone "
+              "surrogate cannot be encoded)", show=False)
         check(isinstance(self.stop_token_ids, list)
-              and all(_is_int(t) for t in self.stop_token_ids),
-              "stop_token_ids must be a list of integers")
-        check(_is_int(self.top_logprobs_num) and 0 <= self.top_logprobs_num <= 20,
-              f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num!r}")
-        check(self.logprobs or not self.top_logprobs_num,
-              "top_logprobs_num needs logprobs: true")
+              and all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids),
+              "stop_token_ids", f"must be a list of token ids in [0, {vocab_size})", show=False)
+        for flag in ("ignore_eos", "skip_special_tokens", "logprobs"):
+            value = getattr(self, flag)
+            check(isinstance(value, bool), flag, "must be a boolean", value)
+        n = self.top_logprobs_num
+        check(_is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS, "top_logprobs_num",
+              f"must be in [0, {MAX_TOP_LOGPROBS}]", n)
+        check(self.logprobs or not n, "top_logprobs_num", "needs logprobs: true", show=False)
+
+
+def is_encodable(text: str) -> bool:
+    """Whether `text` is valid Unicode: JSON's \\ud800 escapes give lone surrogates, which no
+    tokenizer (nor UTF-8) can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
+def _is_finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)

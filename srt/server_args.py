@@ -13,6 +13,17 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+_MAX_PORT = 65535
+
+
+class ServerArgsError(ValueError):
+    """An option no server can start with; names its flag, as argparse does."""
+
+    def __init__(self, name: str, message: str) -> None:
+        self.flag = "--" + name.replace("_", "-")
+        super().__init__(f"argument {self.flag}: {message}")
+
 
 def _opt(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **kwargs})
@@ -89,7 +100,10 @@ class ServerArgs:
     host: str = _opt("127.0.0.1", "HTTP host.")
     port: int = _opt(30000, "HTTP port.")
     api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY' (not on /health).")
-    log_level: str = _opt("info", "Logging level.")
+    max_request_bytes: int = _opt(
+        32 * 1024 * 1024, "Largest request body accepted (larger ones get 413)."
+    )
+    log_level: str = _opt("info", "Logging level.", choices=LOG_LEVELS, type=str.lower)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -108,7 +122,7 @@ class ServerArgs:
             kwargs: dict[str, Any] = {"type": base, "default": f.default, "help": help_text}
             if is_list:
                 kwargs["nargs"] = "+"
-            parser.add_argument(flag, **kwargs, **meta)
+            parser.add_argument(flag, **{**kwargs, **meta})
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
@@ -121,6 +135,28 @@ class ServerArgs:
         if unknown:
             raise TypeError(f"unknown option(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+    def check(self) -> None:
+        """ServerArgsError for the first option that no server could start with. Checked
+        before anything starts (and by Engine), so that a typo costs no model load."""
+        for name in ("max_total_tokens", "context_length", "max_running_requests",
+                     "chunked_prefill_size", "max_prefill_tokens", "torch_compile_max_bs",
+                     "max_request_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ServerArgsError(name, f"must be a positive integer, got {value!r}")
+        if not (isinstance(self.port, int) and 1 <= self.port <= _MAX_PORT):
+            raise ServerArgsError("port", f"must be in [1, {_MAX_PORT}], got {self.port!r}")
+        if str(self.log_level).lower() not in LOG_LEVELS:
+            raise ServerArgsError("log_level", f"invalid choice: {self.log_level!r} (choose "
+                                               f"from {', '.join(LOG_LEVELS)})")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ServerArgsError("device", f"must be cpu, cuda or auto, got {self.device!r}")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ServerArgsError("device", f"{self.device}: CUDA is not available")
 
     def resolved_device(self) -> str:
         import torch

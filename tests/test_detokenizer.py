@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from srt.managers.tokenizer import IncrementalDetokenizer, load_tokenizer
+from srt.managers.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 from srt.model_config import ModelLoadError
 
 UNICODE_TEXT = "héllo ✓ 日本語 🙂 naïve café — “quoted” 12345\n\tthe end. Ωμέγα 한국어 👩‍👩‍👧"
@@ -96,6 +96,52 @@ def test_stop_prefix_released_once_impossible(tokenizer: Any) -> None:
     detok = IncrementalDetokenizer(tokenizer, stop=["keeper wins"])
     emitted = "".join(detok.push([i]) for i in ids)
     assert emitted == "a keeper of bees"  # released without finish(): it can't be the stop
+
+
+def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """The reference: the stop string that ends first in `text` (the longest of those ending
+    there), as (its end, it)."""
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            return end, max(ending, key=len)
+    return None
+
+
+def test_stop_matcher_finds_what_a_scan_finds() -> None:
+    rng = random.Random(0)
+    for _ in range(500):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 5)))
+                 for _ in range(rng.randrange(1, 4))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randrange(0, 20)))
+        matcher, fed, hit = StopStringMatcher(stops), 0, None
+        while fed < len(text) and hit is None:  # fed in random pieces, as tokens arrive
+            piece = text[fed:fed + rng.randrange(1, 4)]
+            found = matcher.feed(piece)
+            hit = (fed + found[0], found[1]) if found else None
+            fed += len(piece)
+        assert hit == first_stop(text, stops), (text, stops)
+        if hit is None:  # what may still begin a stop string: the longest such tail
+            assert matcher.pending == max(
+                (n for n in range(len(text) + 1) for s in stops
+                 if n < len(s) and text.endswith(s[:n])), default=0)
+
+
+def test_stop_check_reads_each_character_once(tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    """The stop check is linear: however many stop strings (64 of 1 KB here, each a near
+    miss of the text), each character of the output is fed to the matcher once, rather than
+    the whole text searched for every stop string at every token."""
+    fed: list[int] = []
+    feed = StopStringMatcher.feed
+    monkeypatch.setattr(StopStringMatcher, "feed",
+                        lambda self, text: fed.append(len(text)) or feed(self, text))
+    ids = tokenizer.encode(UNICODE_TEXT * 4, add_special_tokens=False)
+    stops = [UNICODE_TEXT[:5] * 200 + str(i) for i in range(64)]
+    detok = IncrementalDetokenizer(tokenizer, stop=stops)
+    text = "".join(stream(detok, ids))
+    assert text == UNICODE_TEXT * 4 and not detok.stopped
+    assert sum(fed) == len(text)
 
 
 def test_load_tokenizer_errors_name_the_directory(tmp_path: Path) -> None:

@@ -121,6 +121,7 @@ def test_stop_string(engine: Engine, full: dict[str, Any]) -> None:
     n = len(out["output_ids"])
     assert out["output_ids"] == full["output_ids"][:n] and n < 32
     assert stop in engine.tokenizer.decode(out["output_ids"])  # it ran until the stop appeared
+    assert not engine.scheduler.reqs  # and no further: the scheduler was told to stop it
 
 
 def test_stop_token_ids(engine: Engine, full: dict[str, Any]) -> None:
@@ -174,7 +175,13 @@ def test_max_new_tokens_zero_and_one(engine: Engine, full: dict[str, Any]) -> No
 def test_context_length_clamps_and_rejects(tiny_llama: Path, full: dict[str, Any]) -> None:
     with make_engine(tiny_llama, context_length=24) as eng:
         ids = eng.tokenizer.encode("The lighthouse keeper")
-        out = eng.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 100})
+        # Unset, max_new_tokens is the default (128) cut to what the context leaves; set, it
+        # must fit, as on the HTTP API (one front end, one rule).
+        unset = {k: v for k, v in GREEDY.items() if k != "max_new_tokens"}
+        out = eng.generate(input_ids=ids, sampling_params=unset)
+        with pytest.raises(ValueError, match="the context length is 24 tokens, but the request "
+                                             f"asks for {len(ids) + 100}"):
+            eng.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 100})
         assert out["meta_info"]["completion_tokens"] == 24 - len(ids)
         assert out["output_ids"] == full["output_ids"][: 24 - len(ids)]
         assert out["meta_info"]["finish_reason"] == "length"
@@ -232,12 +239,22 @@ def test_engine_kwargs_are_server_args(tiny_llama: Path) -> None:
 @pytest.mark.parametrize(("params", "message"), [
     ({"temperature": -1}, "temperature must be >= 0, got -1"),
     ({"top_p": 0}, "top_p must be in \\(0, 1\\], got 0"),
-    ({"top_k": 0}, "top_k must be -1 or >= 1, got 0"),
+    ({"top_k": 0}, "top_k must be -1 or in \\[1, 512\\] \\(the vocabulary\\), got 0"),
+    ({"top_k": 2**63}, "top_k must be -1 or in \\[1, 512\\]"),
+    ({"top_k": 513}, "top_k must be -1 or in \\[1, 512\\]"),
+    ({"temperature": float("inf")}, "temperature must be >= 0, got inf"),
+    ({"ignore_eos": "false"}, "ignore_eos must be a boolean, got 'false'"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens must be a boolean, got 0"),
+    ({"logprobs": "yes"}, "logprobs must be a boolean, got 'yes'"),
+    ({"stop": ["x"] * 65}, "stop takes at most 64 strings, got 65"),
+    ({"stop": ["x" * 1025]}, "stop strings must be at most 1024 characters"),
+    ({"stop": ["\ud800"]}, "stop must be valid Unicode"),
     ({"min_p": 1.0}, "min_p must be in \\[0, 1\\), got 1.0"),
     ({"max_new_tokens": -1}, "max_new_tokens must be a non-negative integer, got -1"),
     ({"max_new_tokens": 2.5}, "max_new_tokens must be a non-negative integer, got 2.5"),
     ({"stop": [""]}, "stop must be a non-empty string or a list of them"),
-    ({"stop_token_ids": ["a"]}, "stop_token_ids must be a list of integers"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids must be a list of token ids in \\[0, 512\\)"),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids must be a list of token ids"),
     ({"seed": "x"}, "seed must be a 64-bit integer, got 'x'"),
     ({"seed": 2**64}, "seed must be a 64-bit integer"),
     ({"top_logprobs_num": 2}, "top_logprobs_num needs logprobs: true"),
@@ -256,6 +273,8 @@ def test_invalid_sampling_params(engine: Engine, params: dict, message: str) -> 
     ({"input_ids": [[1, 2], 3]}, "input_ids mixes token ids and lists of token ids"),
     ({"input_ids": "1 2 3"}, "input_ids must be a list of token ids"),
     ({"prompt": [1, 2]}, "prompt must be a string or a list of strings"),
+    ({"prompt": "ok \ud800"}, "the prompt is not valid Unicode"),
+    ({"prompt": "x" * 10**7}, "the prompt has 10000000 characters; at most"),
     ({}, "give exactly one of prompt and input_ids"),
     ({"prompt": "x", "input_ids": [1]}, "give exactly one of prompt and input_ids"),
     ({"prompt": ["x", "y"], "sampling_params": [{}]}, "sampling_params list must match"),

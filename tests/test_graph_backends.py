@@ -86,7 +86,6 @@ def test_disable_cuda_graph_turns_every_phase_off() -> None:
     ({"cuda_graph_config": '{"decode": {"bs": [8, 2]}}'},
      "--cuda-graph-config decode.bs: buckets must be strictly increasing"),
     ({"cuda_graph_bs_decode": [0, 2]}, "--cuda-graph-bs-decode: buckets must be positive"),
-    ({"cuda_graph_tc_compiler": "inductor"}, "--cuda-graph-tc-compiler: needs"),
     ({"cuda_graph_config": '{"decode": {"backend": "full", "tc_compiler": "eager"}}'},
      "--cuda-graph-config decode.tc_compiler: a tc compiler needs backend tc_piecewise"),
     ({"cuda_graph_backend_prefill": "tc_piecewise", "cuda_graph_tc_compiler": "gcc"},
@@ -102,6 +101,17 @@ def test_invalid_settings_name_the_flag(kwargs: dict[str, Any], message: str) ->
     with pytest.raises(GraphConfigError) as err:
         resolve("cuda", **kwargs)
     assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "gcc"])
+def test_a_tc_compiler_no_phase_uses_is_a_warning(compiler: str,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    # As SGLang does: ignored, not refused (whatever its value, since nothing compiles).
+    with caplog.at_level(logging.WARNING, logger="srt.model_executor.graph_config"):
+        configs = resolve("cuda", cuda_graph_tc_compiler=compiler)
+    assert all(c.tc_compiler is None for c in configs.values())
+    assert f"--cuda-graph-tc-compiler {compiler} is ignored: no phase uses tc_piecewise" \
+        in caplog.text
 
 
 def test_engine_rejects_a_bad_flag(tiny_llama: Path) -> None:

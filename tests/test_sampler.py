@@ -156,6 +156,18 @@ def test_different_seeds_give_different_streams(logits: torch.Tensor) -> None:
     assert stream(7) != stream(8)
 
 
+def test_every_bit_of_the_seed_counts(logits: torch.Tensor) -> None:
+    positions = torch.arange(64, dtype=torch.int64)
+
+    def stream(seed: int) -> list[int]:
+        return sample(logits.expand(64, -1),
+                      batch(64, seeds=torch.full((64,), seed), positions=positions)).tolist()
+
+    # Seeds that differ only in their high 32 bits (or only in the sign) draw differently.
+    streams = [stream(s) for s in (0, 2**32, 2**62, -(2**63), 2**63 - 1, -1, 2**32 - 1)]
+    assert len({tuple(s) for s in streams}) == len(streams)
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path) -> Engine:
     with Engine(model_path=str(tiny_llama), device="cpu", dtype="float32") as eng:

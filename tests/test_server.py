@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -23,7 +24,9 @@ PROMPT = "The lighthouse keeper woke before the gulls"
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = ServerProcess(["--model-path", str(tiny_llama)], log, api_key=API_KEY)
+    # A tc compiler with no tc_piecewise phase is ignored with a warning (SGLang's way).
+    srv = ServerProcess(["--model-path", str(tiny_llama), "--cuda-graph-tc-compiler", "inductor"],
+                        log, api_key=API_KEY)
     try:
         srv.wait_ready()
         yield srv
@@ -49,7 +52,9 @@ def model(client: openai.OpenAI) -> str:
 
 def post(server: ServerProcess, path: str, body: dict | None = None,
          content: bytes | None = None) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, content=content, timeout=60,
+    if body is not None:  # JSON's \u escapes, so that lone surrogates can be sent
+        content = json.dumps(body).encode()
+    return httpx.post(f"{server.url}{path}", content=content, timeout=60,
                       headers={**server.headers, "Content-Type": "application/json"})
 
 
@@ -68,6 +73,38 @@ def test_models_health_and_api_key(server: ServerProcess, model: str, tiny_llama
         assert resp.json()["error"]["code"] == "invalid_api_key"
     bad = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer nope"})
     assert bad.status_code == 401
+
+
+def test_api_key_is_checked_first_and_everywhere(server: ServerProcess) -> None:
+    # Before the body is parsed: a malformed body without the key is a 401, not a 400.
+    bad_json = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": ',
+                          headers={"Content-Type": "application/json"})
+    assert bad_json.status_code == 401, bad_json.text
+    assert bad_json.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(f"{server.url}{path}").status_code == 401, path
+        assert httpx.get(f"{server.url}{path}", headers=server.headers).status_code == 200, path
+    # The scheme is case-insensitive (RFC 7235); the key is not.
+    for scheme in ("bearer", "BEARER", "bEaReR"):
+        resp = httpx.get(f"{server.url}/v1/models",
+                         headers={"Authorization": f"{scheme} {API_KEY}"})
+        assert resp.status_code == 200, scheme
+    wrong_case = httpx.get(f"{server.url}/v1/models",
+                           headers={"Authorization": f"Bearer {API_KEY.upper()}"})
+    assert wrong_case.status_code == 401
+
+
+def test_a_tc_compiler_no_phase_uses_is_only_a_warning(server: ServerProcess) -> None:
+    assert "--cuda-graph-tc-compiler inductor is ignored" in server.log()
+    assert post(server, "/generate", {"text": "hi", "sampling_params": {
+        "max_new_tokens": 2}}).json()["meta_info"]["completion_tokens"] == 2
+
+
+def test_the_scheduler_process_loads_no_tokenizer(server: ServerProcess) -> None:
+    # Stop strings are matched where the text is: the scheduler works on ids alone.
+    pid = server.info()["processes"]["scheduler"]["pid"]
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert "tokenizers" not in maps and "numpy" in maps
 
 
 def test_greedy_matches_engine(client: openai.OpenAI, model: str, engine: Engine,
@@ -164,6 +201,22 @@ def test_n_seed_stop_and_logprobs(client: openai.OpenAI, model: str) -> None:
     assert all(len(c.top_logprobs) == 2 for c in content)
 
 
+def test_a_stop_string_ends_the_request_in_the_scheduler_too(client: openai.OpenAI, model: str,
+                                                            server: ServerProcess) -> None:
+    # The scheduler sees ids only: the tokenizer side, which matched the stop string, aborts
+    # the request there, which frees its KV slots long before max_tokens.
+    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=24,
+                                       temperature=0).choices[0].text
+    stop = next(greedy[k:k + 3] for k in range(2, len(greedy) - 3)
+                if greedy[k:k + 3].isalpha() and greedy.index(greedy[k:k + 3]) == k)
+    before = server.info()["scheduler"]["generated_tokens"]
+    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=1900, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < 24
+    assert _wait_for(lambda: server.info()["scheduler"]["running_requests"] == 0)
+    assert server.info()["scheduler"]["generated_tokens"] - before < 100
+
+
 def test_64_concurrent_streams(server: ServerProcess, model: str) -> None:
     before = server.info()["scheduler"]
     asked = [4 + i % 13 for i in range(64)]
@@ -194,6 +247,67 @@ def test_64_concurrent_streams(server: ServerProcess, model: str) -> None:
     assert after["decode_steps"] - before["decode_steps"] < sum(asked) / 2  # batched
     assert after["running_requests"] == after["queued_requests"] == 0
 
+
+def test_null_means_the_default(server: ServerProcess) -> None:
+    # As in the OpenAI API: an optional field sent as null is as if not sent.
+    plain = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": None,
+                                             "temperature": None, "top_p": None, "n": None,
+                                             "stop": None, "seed": None, "logprobs": None,
+                                             "stream_options": None, "top_k": None})
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["usage"]["completion_tokens"] == 3
+    assert plain.json()["choices"][0]["logprobs"] is None
+    chat = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": None,
+        "top_logprobs": None, "stream": None, "ignore_eos": None, "max_completion_tokens": None,
+    })
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["logprobs"] is None
+    native = post(server, "/generate", {"text": "hi", "stream": None, "sampling_params": {
+        "max_new_tokens": 3, "temperature": None, "stop": None, "ignore_eos": None}})
+    assert native.status_code == 200, native.text
+
+
+def test_seeds_use_all_64_bits(server: ServerProcess) -> None:
+    def ids(seed: int) -> list[int]:
+        resp = post(server, "/generate", {"text": PROMPT, "sampling_params": {
+            "max_new_tokens": 12, "temperature": 1.0, "seed": seed, "ignore_eos": True}})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["output_ids"]
+
+    assert ids(0) == ids(0)
+    assert ids(0) != ids(2**32)  # seeds that differ only in their high bits
+    assert ids(5) != ids(5 - 2**63)
+
+
+def test_choices_of_a_seed_near_the_top_of_the_range(server: ServerProcess) -> None:
+    seed = 2**63 - 1  # seed + choice would not be a 64-bit integer
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "ignore_eos": True,
+            "seed": seed}
+    resp = post(server, "/v1/completions", {**body, "n": 3})
+    assert resp.status_code == 200, resp.text
+    texts = [c["text"] for c in resp.json()["choices"]]
+    assert len(set(texts)) == 3  # each choice draws its own stream
+    alone = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    assert texts[0] == alone  # the first choice is the seed's own
+    again = post(server, "/v1/completions", {**body, "n": 3}).json()["choices"]
+    assert [c["text"] for c in again] == texts
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server: ServerProcess) -> None:
+    # A 64 MiB body is announced and none of it sent: the answer comes from the headers alone.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: srt\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: " + str(64 << 20).encode() + b"\r\n\r\n{")
+        status_line = conn.recv(4096).split(b"\r\n", 1)[0]
+    assert status_line.split()[1] == b"413", status_line
+    ok = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+HUGE_PROMPT = "word " * 40_000  # 200k characters: more than 2048 tokens could ever hold
 
 BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', "malformed JSON"),
@@ -228,6 +342,49 @@ BAD_REQUESTS = [
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens"),
     ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, "bogus"),
     ("/generate", {"text": "hi", "sampling_params": {"top_p": 0}}, "top_p"),
+    # Integers far out of range are bounded here (a top_k past int64 used to kill the
+    # scheduler process, and the server with it).
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**63}, "top_k must be -1 or in [1, 512]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "top_k": 2**63}, "top_k must be -1 or in [1, 512]"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": 2**63}}, "top_k"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": 513}}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed must be a 64-bit integer"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**70]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 10**20}, "logprobs must be in [0, 20]"),
+    ("/v1/completions", {"prompt": "hi", "n": 10**20}, "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2**64}, "context length"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 10**20, "logprobs": True}, "top_logprobs"),
+    # Text that no tokenizer can encode.
+    ("/v1/completions", {"prompt": "hi \ud800"}, "the prompt is not valid Unicode"),
+    ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "the prompt is not valid Unicode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]},
+     "a message is not valid Unicode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\ud83d"}]}]}, "a message is not valid Unicode"),
+    ("/generate", {"text": "\ud800"}, "the prompt is not valid Unicode"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, "stop must be valid Unicode"),
+    # Booleans are booleans on /generate as on /v1 (a string "false" acted as true).
+    ("/generate", {"text": "hi", "sampling_params": {"skip_special_tokens": "false"}},
+     "skip_special_tokens must be a boolean"),
+    ("/generate", {"text": "hi", "sampling_params": {"ignore_eos": "false"}},
+     "ignore_eos must be a boolean"),
+    ("/generate", {"text": "hi", "sampling_params": {"logprobs": "false"}},
+     "logprobs must be a boolean"),
+    ("/generate", {"text": "hi", "sampling_params": {"logprobs": 1}}, "logprobs"),
+    ("/generate", {"text": "hi", "sampling_params": "fast"}, "sampling_params"),
+    ("/generate", {"text": "hi", "stream": "false"}, "stream"),
+    # Size bounds: stop strings (count and length) and the prompt, counted in characters
+    # before anything is tokenized.
+    ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(65)]},
+     "stop takes at most 64 strings"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 1025]},
+     "stop strings must be at most 1024 characters"),
+    ("/v1/completions", {"prompt": HUGE_PROMPT}, "the prompt has 200000 characters"),
+    ("/generate", {"text": HUGE_PROMPT}, "the prompt has 200000 characters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": HUGE_PROMPT}]},
+     "a message has 200000 characters"),
 ]
 
 
@@ -247,6 +404,45 @@ def test_bad_input_is_400_and_server_keeps_serving(
     assert message in error["message"] or message == error["param"], error
     ok = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+SAME_RULES = [
+    {"text": PROMPT, "sampling_params": {"top_k": 2**63}},
+    {"text": PROMPT, "sampling_params": {"ignore_eos": "false"}},
+    {"text": PROMPT, "sampling_params": {"stop": ["x"] * 65}},
+    {"text": PROMPT, "sampling_params": {"max_new_tokens": 10**9}},
+    {"text": PROMPT, "sampling_params": {"seed": 2**64}},
+    {"text": PROMPT, "sampling_params": {"temperature": float("nan")}},
+    {"text": PROMPT, "sampling_params": {"typo": 1}},
+    {"text": [PROMPT, PROMPT], "sampling_params": [{}]},
+    {"text": "\ud800"},
+    {"input_ids": [[1, 2], [512]]},
+    {"input_ids": list(range(1, 300)) * 7},
+]
+
+
+@pytest.mark.parametrize("request_body", SAME_RULES, ids=range(len(SAME_RULES)))
+def test_engine_and_server_share_one_front_end(server: ServerProcess, engine: Engine,
+                                               request_body: dict) -> None:
+    """Engine.generate and /generate refuse the same requests with the same words."""
+    kwargs = dict(request_body)
+    if "text" in kwargs:
+        kwargs["prompt"] = kwargs.pop("text")
+    with pytest.raises(ValueError) as refused:
+        engine.generate(**kwargs)
+    resp = post(server, "/generate", request_body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == str(refused.value)
+
+
+def test_engine_and_server_resolve_an_unset_max_new_tokens_alike(server: ServerProcess,
+                                                                  engine: Engine) -> None:
+    ids = list(range(1, 300)) * 6 + list(range(1, 200))  # 1993 of 2048 tokens: 55 are left
+    params = {"temperature": 0, "ignore_eos": True}
+    want = engine.generate(input_ids=ids, sampling_params=params)
+    got = post(server, "/generate", {"input_ids": ids, "sampling_params": params}).json()
+    assert got["meta_info"]["completion_tokens"] == want["meta_info"]["completion_tokens"] == 55
+    assert got["output_ids"] == want["output_ids"]
 
 
 def _wait_for(predicate, timeout: float = 10.0) -> bool:

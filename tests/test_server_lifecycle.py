@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
-from server_helpers import ServerProcess, child_pids, still_alive
+import pytest
+import torch
+from server_helpers import REPO, ServerProcess, child_pids, free_port, still_alive
 
 
 def _wait_exit(srv: ServerProcess, timeout: float) -> tuple[int, float]:
@@ -23,11 +30,38 @@ def _start(tiny_llama: Path, tmp_path: Path, script: bool = False) -> ServerProc
                          script=script)
 
 
-def test_sigterm_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
+def _read_stream(srv: ServerProcess, events: list[str], started: threading.Event) -> None:
+    body = {"prompt": "hi", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2:
+                    started.set()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path, sig: signal.Signals
+                                     ) -> None:
     srv = _start(tiny_llama, tmp_path, script=True)  # `python launch_server.py`
     try:
-        statuses = srv.wait_ready()
-        assert statuses[0] == 503  # answering before the children are ready
+        # Until the children are ready, /v1/models answers 503 like the other endpoints. A
+        # /v1/models answer counts when a later /health still said 503 (ready never goes back).
+        models_while_starting = []
+        health = None
+        while health != 200:
+            assert srv.proc.poll() is None, srv.log()
+            time.sleep(0.05)
+            if not _listening(srv):
+                continue
+            models = httpx.get(f"{srv.url}/v1/models", timeout=5)
+            health = httpx.get(f"{srv.url}/health", timeout=5).status_code
+            if health == 503:
+                models_while_starting.append(models)
+        assert models_while_starting, "never saw the server starting"
+        for resp in models_while_starting:
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "unavailable"
+        assert httpx.get(f"{srv.url}/v1/models").status_code == 200
         info = srv.info()
         children = child_pids(srv.proc.pid)
         assert {info["processes"]["scheduler"]["pid"],
@@ -36,17 +70,39 @@ def test_sigterm_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
                         json={"text": "hi", "sampling_params": {"max_new_tokens": 3}})
         assert ok.json()["meta_info"]["completion_tokens"] == 3
 
-        srv.proc.send_signal(signal.SIGTERM)
+        # Open streams at the signal each get a final error event and [DONE].
+        streams = [([], threading.Event()) for _ in range(3)]
+        readers = [threading.Thread(target=_read_stream, args=(srv, *s)) for s in streams]
+        for reader in readers:
+            reader.start()
+        for _, started in streams:
+            assert started.wait(60), srv.log()
+        srv.proc.send_signal(sig)
+        for reader in readers:
+            reader.join(60)
         code, _ = _wait_exit(srv, 30)
         assert code == 0, srv.log()
+        for events, _ in streams:
+            assert events[-1] == "[DONE]", events[-3:]
+            error = json.loads(events[-2])["error"]
+            assert error["message"] == "the server is shutting down", error
+            assert error["type"] == "server_error"
         assert not still_alive(children)
         assert not Path(info["ipc_dir"]).exists()
         log = srv.log()
         for line in ("model_runner ready after", "scheduler ready after", "server ready in",
-                     "received SIGTERM", "server stopped"):
+                     f"received {sig.name}", "server stopped"):
             assert line in log, log
+        # One line for the streams it ended, not a traceback each.
+        assert log.count("shutting down: ended 3 sequence(s) in flight") == 1, log
+        assert "Traceback" not in log, log
     finally:
         srv.stop()
+
+
+def _listening(srv: ServerProcess) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", srv.port)) == 0
 
 
 def test_runner_death_takes_the_server_down(tiny_llama: Path, tmp_path: Path) -> None:
@@ -79,3 +135,108 @@ def test_child_startup_failure_is_reported(tiny_llama: Path, tmp_path: Path) -> 
         assert "model_runner failed to start" in srv.log(), srv.log()
     finally:
         srv.stop()
+
+
+def test_tokenizing_does_not_hold_up_the_event_loop(tiny_llama: Path, tmp_path: Path) -> None:
+    """A request whose prompt takes long to prepare (here a chat template that loops for a few
+    seconds on one message, standing in for a huge prompt's tokenization) is prepared off the
+    event loop: /health and other requests are answered meanwhile."""
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+    template = model / "chat_template.jinja"
+    slow = ("{% if messages[0]['content'] == 'slow' %}{% for i in range(100000) %}"
+            "{% for j in range(300) %}{% endfor %}{% endfor %}{% endif %}")
+    template.write_text(slow + template.read_text())
+    srv = ServerProcess(["--model-path", str(model)], tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        done = threading.Event()
+        slow_status: list[int] = []
+
+        def slow_request() -> None:
+            # Refused once prepared (it asks for more than the context), so that its answer
+            # follows the slow part at once, with no generation to wait for.
+            resp = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": "slow"}], "max_tokens": 10**6})
+            slow_status.append(resp.status_code)
+            done.set()
+
+        thread = threading.Thread(target=slow_request)
+        thread.start()
+        answered_meanwhile = 0
+        while not done.is_set():
+            ok = httpx.get(f"{srv.url}/health", timeout=120).status_code == 200
+            answered_meanwhile += ok and not done.is_set()
+        thread.join()
+        assert slow_status == [400]
+        # Round trips one after another while the slow one was being prepared: with the
+        # template run on the event loop, none could have been answered after it began.
+        assert answered_meanwhile >= 5, answered_meanwhile
+    finally:
+        srv.stop()
+
+
+# ---- flags checked before anything starts ------------------------------------------------------
+
+
+def _launch(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "srt.launch_server", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--max-total-tokens", "0"], "argument --max-total-tokens: must be a positive integer, got 0"),
+    (["--context-length", "-5"], "argument --context-length: must be a positive integer, got -5"),
+    (["--max-running-requests", "0"], "argument --max-running-requests: must be a positive"),
+    (["--port", "70000"], "argument --port: must be in [1, 65535], got 70000"),
+    (["--port", "0"], "argument --port: must be in [1, 65535], got 0"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+    (["--device", "tpu"], "argument --device: must be cpu, cuda or auto, got 'tpu'"),
+    pytest.param(["--device", "cuda"], "argument --device: cuda: CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
+])
+def test_a_bad_flag_fails_before_anything_starts(args: list[str], message: str) -> None:
+    result = _launch(["--port", str(free_port()), *args])
+    assert result.returncode == 2, result.stderr
+    assert f"error: {message}" in result.stderr, result.stderr
+    assert "[tokenizer]" not in result.stderr  # no log line: nothing was started
+
+
+def test_log_level_is_case_insensitive(tiny_llama: Path) -> None:
+    # Gets past the flags (and fails on the model directory, which is quick).
+    result = _launch(["--log-level", "WARNING", "--model-path", str(tiny_llama / "missing")])
+    assert result.returncode == 1 and "does not exist" in result.stderr, result.stderr
+
+
+def test_a_port_in_use_fails_at_once_naming_it(tiny_llama: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        result = _launch(["--model-path", str(tiny_llama), "--port", str(port)])
+        took = time.monotonic() - start
+    assert result.returncode == 2, result.stderr
+    assert f"error: argument --port: cannot listen on 127.0.0.1:{port}: Address already in use" \
+        in result.stderr, result.stderr
+    # The port is bound before torch or the model are loaded: it fails in well under a second
+    # on an idle machine (5 s leaves room for a loaded CI runner, and is still less than what
+    # importing torch, spawning the children and loading the tokenizer took before).
+    assert took < 5, took
+    assert "model_runner" not in result.stderr
+
+
+def test_a_model_without_tokenizer_files_fails_in_one_line(tiny_llama: Path,
+                                                           tmp_path: Path) -> None:
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "no-tokenizer"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    # A context past the model's positions is a warning, given before that failure.
+    result = _launch(["--model-path", str(model), "--port", str(free_port()),
+                      "--context-length", "4096"])
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    errors = [line for line in lines if " ERROR " in line]
+    assert len(errors) == 1 and f"{model} has no tokenizer files" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr and "model_runner" not in result.stderr
+    assert any("--context-length 4096 is larger than the model's max_position_embeddings 2048"
+               in line for line in lines), result.stderr

@@ -3,7 +3,9 @@ OpenAI-shaped responses that both completion endpoints share.
 
 Models are strict (a string is not a number) and ignore fields they do not know, as the OpenAI
 API does, except OpenAI options that this server does not implement: setting one is an error.
-Sampling values are range-checked once more by `SamplingParams.verify`.
+Null for an optional field means its default, as in the OpenAI API. The models check types
+only: values are checked by the request front end, with the same rules for every endpoint
+(`SamplingParams.verify`), and errors name the fields by the names given here.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from srt.errors import InvalidRequest
 from srt.sampling_params import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # as the OpenAI API
+MAX_CHOICES = 128
 
 # OpenAI options this server does not implement, with the value that means "not used": a
 # request that sets one to anything else is refused rather than silently served without it.
@@ -29,6 +33,13 @@ _UNSUPPORTED = {"echo": False, "suffix": None, "best_of": 1, "presence_penalty":
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
@@ -38,10 +49,10 @@ class _SamplingRequest(_Request):
     model_config = ConfigDict(strict=True, extra="allow")  # extras are checked below
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(None, ge=1, le=128)
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -56,48 +67,52 @@ class _SamplingRequest(_Request):
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _SamplingRequest:
         for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED and value not in (None, _UNSUPPORTED[name]):
+            if name in _UNSUPPORTED and value != _UNSUPPORTED[name]:
                 raise ValueError(f"{name} is not supported by this server")
         return self
-
-    @property
-    def num_choices(self) -> int:
-        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_new_tokens: int, top_logprobs: int | None,
-                        choice: int) -> SamplingParams:
-        """Parameters of one choice; with a seed, choice i draws with seed + i."""
+    def _params(self, max_new_tokens: int | None, logprobs: bool, top_logprobs: int
+                ) -> SamplingParams:
+        """The sampling parameters of every choice (the front end gives each its seed)."""
         return SamplingParams.from_dict({
             "max_new_tokens": max_new_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
-            "seed": None if self.seed is None else self.seed + choice,
+            "seed": self.seed,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
-            "logprobs": top_logprobs is not None,
-            "top_logprobs_num": top_logprobs or 0,
+            "logprobs": logprobs,
+            "top_logprobs_num": top_logprobs,
         })
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = None
+
+    @property
+    def names(self) -> dict[str, str]:
+        """What the front end's messages call OpenAI's fields."""
+        return {"max_new_tokens": "max_tokens", "top_logprobs_num": "logprobs"}
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         if not p:
-            raise ValueError("prompt must not be empty")
+            raise InvalidRequest("prompt must not be empty", param="prompt")
         return list(p)
+
+    def sampling_params(self) -> SamplingParams:
+        return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or 0)
 
 
 class TextPart(_Request):
@@ -118,55 +133,36 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = None
 
     @property
-    def max_new_tokens(self) -> int | None:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
+    def names(self) -> dict[str, str]:
+        """What the front end's messages call OpenAI's fields."""
+        max_name = "max_tokens" if self.max_completion_tokens is None else \
+            "max_completion_tokens"
+        return {"max_new_tokens": max_name, "top_logprobs_num": "top_logprobs"}
 
     @property
     def top_logprobs_num(self) -> int | None:
         """None without logprobs, else how many alternatives each token lists."""
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def sampling_params(self) -> SamplingParams:
+        max_new = self.max_tokens if self.max_completion_tokens is None \
+            else self.max_completion_tokens
+        return self._params(max_new, self.logprobs, self.top_logprobs or 0)
 
 
 class GenerateRequest(_Request):
-    """SGLang's native /generate: `text` or `input_ids`, one or a batch."""
+    """SGLang's native /generate: `text` or `input_ids`, one or a batch (the front end parses
+    them, as it does `Engine.generate`'s)."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
-
-    def batch(self) -> tuple[bool, list[str | list[int]]]:
-        """(single, prompts)."""
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of text and input_ids")
-        if isinstance(self.text, str):
-            return True, [self.text]
-        if self.text is not None:
-            prompts: list[Any] = self.text
-        elif self.input_ids and isinstance(self.input_ids[0], int):
-            return True, [self.input_ids]
-        else:
-            prompts = self.input_ids or []
-        if not prompts:
-            raise ValueError("the batch of prompts is empty")
-        return False, list(prompts)
-
-    def params_for(self, n: int) -> list[SamplingParams]:
-        if isinstance(self.sampling_params, list):
-            if len(self.sampling_params) != n:
-                raise ValueError(f"sampling_params has {len(self.sampling_params)} entries "
-                                 f"for {n} prompts")
-            return [SamplingParams.from_dict(p) for p in self.sampling_params]
-        return [SamplingParams.from_dict(self.sampling_params) for _ in range(n)]
 
 
 # ---- response pieces -----------------------------------------------------------------------

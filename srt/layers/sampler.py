@@ -32,8 +32,11 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, vocab] uniforms in (0, 1), a pure function of (seed, position, token id)."""
-    row = _hash32((seeds & _MASK32) ^ _hash32((positions & _MASK32) + 0x9E3779B9))
+    """[B, vocab] uniforms in (0, 1), a pure function of (seed, position, token id); all 64
+    bits of the seed count (the high half is hashed in on its own, so seeds that differ only
+    there draw different streams)."""
+    high = _hash32(((seeds >> 32) & _MASK32) + 0x7F4A7C15)
+    row = _hash32((seeds & _MASK32) ^ high ^ _hash32((positions & _MASK32) + 0x9E3779B9))
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     h = _hash32(row[:, None] ^ _hash32(ids + 0x632BE5AB)[None, :])
     return ((h >> 8).float() + 0.5) / float(1 << 24)

@@ -4,6 +4,9 @@ Each step is either a prefill batch (new requests, chunked when long, on top of 
 prefix) or a decode batch (one token for every running request). Admission reserves KV for a
 request's whole future (prompt plus max_new_tokens), so decoding never runs out of slots; a
 request that does not fit waits in the queue.
+
+The scheduler works on token ids only: stop strings are matched where the text is, on the
+tokenizer side, which aborts the request here once one matches.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from srt.managers.frontend import RequestLimits, check_seq
 from srt.managers.io_struct import BatchPlan, BatchResult, GenerateReq, TokenOutput
 from srt.managers.kv_allocator import RequestRowPool, TokenSlotAllocator
 from srt.managers.prefix_cache import PrefixCache
@@ -36,6 +40,7 @@ class Req:
     params: SamplingParams
     seed: int
     stream: bool = False
+    max_new_tokens: int = 0  # the params' own, resolved by the front end before admission
     output_ids: list[int] = field(default_factory=list)
     row: int = -1  # request-to-token table row, -1 while waiting
     # KV slots of tokens [0, kv_len): the first `num_slots` entries of a buffer that grows by
@@ -75,27 +80,7 @@ class Req:
     @property
     def future_need(self) -> int:
         """KV slots this request may still allocate."""
-        return len(self.input_ids) + self.params.max_new_tokens - self.num_slots
-
-
-def validate_request(
-    input_ids: list[int], params: SamplingParams, vocab_size: int, context_length: int,
-    kv_capacity: int,
-) -> None:
-    """Raise ValueError for a request that can never be served."""
-    if not input_ids:
-        raise ValueError("the prompt is empty")
-    bad = [t for t in input_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-    if bad:
-        raise ValueError(f"invalid token id {bad[0]!r}: ids must be in [0, {vocab_size})")
-    if len(input_ids) >= context_length:
-        raise ValueError(
-            f"the prompt has {len(input_ids)} tokens; the context length is {context_length}"
-        )
-    # max_new_tokens is clamped to the context length, so that is all the KV it can need.
-    need = min(len(input_ids) + params.max_new_tokens, context_length)
-    if need > kv_capacity:
-        raise ValueError(f"the request needs {need} KV slots; the KV cache holds {kv_capacity}")
+        return len(self.input_ids) + self.max_new_tokens - self.num_slots
 
 
 class Scheduler:
@@ -106,16 +91,11 @@ class Scheduler:
         context_length: int,
         vocab_size: int,
         eos_token_ids: list[int],
-        decode_tail: Callable[[list[int]], str],
     ) -> None:
-        for option in ("chunked_prefill_size", "max_prefill_tokens", "max_running_requests"):
-            if getattr(args, option) < 1:
-                raise ValueError(f"{option} must be >= 1, got {getattr(args, option)}")
         self.args = args
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
-        self.decode_tail = decode_tail
         self.allocator = TokenSlotAllocator(num_slots)
         self.rows = RequestRowPool(args.max_running_requests)
         self.prefix_cache = PrefixCache(self.allocator) if args.enable_prefix_caching else None
@@ -130,17 +110,25 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------
 
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.vocab_size, self.context_length, self.allocator.capacity)
+
     def add_request(self, req: GenerateReq) -> None:
-        """Queue a request; ValueError if it can never be served."""
+        """Queue a request; ValueError if it can never be served.
+
+        The front end has checked it already; checking again with the same rules here means
+        that no value that would break a later step (a top_k past int64 in the plan's arrays)
+        can get in, whoever sent it.
+        """
         params = req.sampling_params
-        validate_request(req.input_ids, params, self.vocab_size, self.context_length,
-                         self.allocator.capacity)
+        params.verify(self.vocab_size)
+        check_seq(req.input_ids, params, self.limits)
         if req.rid in self.reqs:
             raise ValueError(f"duplicate request id {req.rid!r}")
-        params.max_new_tokens = min(params.max_new_tokens,
-                                    self.context_length - len(req.input_ids))
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        r = Req(req.rid, list(req.input_ids), params, seed, req.stream)
+        assert params.max_new_tokens is not None  # check_seq refuses it otherwise
+        r = Req(req.rid, list(req.input_ids), params, seed, req.stream, params.max_new_tokens)
         self.reqs[r.rid] = r
         self.waiting.append(r)
 
@@ -195,7 +183,7 @@ class Scheduler:
             if req is self.chunked:
                 self.chunked = None
             new_ids: list[int] = []
-            if req.params.max_new_tokens == 0:
+            if req.max_new_tokens == 0:
                 req.finished_reason = "length"
             else:
                 token = int(result.next_token_ids[i])
@@ -336,14 +324,7 @@ class Scheduler:
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             req.finished_reason, req.matched_stop = "stop", token
-        elif p.stop:
-            # Enough trailing tokens to hold the longest stop string (a token is >= 1 byte).
-            tail = self.decode_tail(req.output_ids[-(max(map(len, p.stop)) + 8):])
-            for s in p.stop:
-                if s in tail:
-                    req.finished_reason, req.matched_stop = "stop", s
-                    return
-        if req.finished_reason is None and len(req.output_ids) >= p.max_new_tokens:
+        elif len(req.output_ids) >= req.max_new_tokens:
             req.finished_reason = "length"
 
     def _release(self, req: Req) -> None:

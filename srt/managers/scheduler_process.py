@@ -2,7 +2,8 @@
 token outputs back to the tokenizer.
 
 Steps are synchronous (plan, wait for the result, process it); between steps every message that
-has arrived is handled, and with no work the loop sleeps on its inbox.
+has arrived is handled, and with no work the loop sleeps on its inbox. A request that cannot
+be admitted, for whatever reason, is finished with an error; the others carry on.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from srt.managers.io_struct import (
 )
 from srt.managers.ipc import Endpoints, bind_pull, connect_push, recv, send
 from srt.managers.scheduler import Scheduler
-from srt.managers.tokenizer import load_tokenizer
 from srt.model_config import ModelConfig
 from srt.process import run_child
 from srt.server_args import ServerArgs
@@ -44,7 +44,6 @@ class SchedulerLoop:
         self.to_runner = connect_push(self.ctx, endpoints.runner_inbox)
         self.to_tokenizer = connect_push(self.ctx, endpoints.tokenizer_inbox)
         config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
-        tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         ready = recv(self.results)  # the runner's first message, once its KV cache exists
         if not isinstance(ready, RunnerReady):
             raise TypeError(f"expected RunnerReady from the runner, got {type(ready).__name__}")
@@ -54,7 +53,6 @@ class SchedulerLoop:
             context_length=ready.context_length,
             vocab_size=config.vocab_size,
             eos_token_ids=config.eos_token_ids,
-            decode_tail=tokenizer.decode,
         )
 
     def figures(self) -> dict[str, Any]:
@@ -97,8 +95,8 @@ class SchedulerLoop:
         if isinstance(msg, GenerateReq):
             try:
                 self.scheduler.add_request(msg)
-            except ValueError as e:  # the tokenizer validates first; never die on a bad one
-                logger.warning("rejected request %s: %s", msg.rid, e)
+            except Exception as e:  # one bad request must never stop the others
+                logger.warning("rejected request %s: %s: %s", msg.rid, type(e).__name__, e)
                 return TokenOutput(msg.rid, [], finished_reason="abort", error=str(e))
             return None
         if isinstance(msg, AbortReq):

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 from srt.model_config import ModelLoadError
+
+# The files a Hugging Face tokenizer is loaded from (fast, SentencePiece, BPE, WordPiece,
+# tiktoken); a model directory with none of them has no tokenizer to load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "tiktoken.model")
+
+
+def check_tokenizer_files(path: str | Path) -> None:
+    """ModelLoadError, in one line naming the directory, if it holds no tokenizer files (checked
+    before anything starts; loading the tokenizer takes longer, and happens in parallel)."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"{path} has no tokenizer files (none of "
+                             f"{', '.join(TOKENIZER_FILES)})")
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -17,23 +32,82 @@ def load_tokenizer(path: str | Path) -> Any:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
 
 
+class StopStringMatcher:
+    """Finds the first of several stop strings in a text that arrives piece by piece, in time
+    linear in the text and the stop strings together (Aho-Corasick): each character moves the
+    automaton one state, never rescanning what came before.
+
+    The state is also the longest tail of the text that is still the beginning of some stop
+    string: what a stream must hold back until it completes the stop string or cannot.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self._next: list[dict[str, int]] = [{}]  # trie edges; state 0 is the empty prefix
+        self._depth = [0]  # length of the prefix each state stands for
+        self._match: list[str | None] = [None]  # the longest stop string ending at the state
+        for stop in stops:
+            state = 0
+            for ch in stop:
+                if ch not in self._next[state]:
+                    self._next.append({})
+                    self._depth.append(self._depth[state] + 1)
+                    self._match.append(None)
+                    self._next[state][ch] = len(self._next) - 1
+                state = self._next[state][ch]
+            self._match[state] = stop
+        # Failure links, breadth first: the longest proper suffix of a state that is a state.
+        self._fail = [0] * len(self._next)
+        queue = deque(self._next[0].values())
+        while queue:
+            state = queue.popleft()
+            for ch, child in self._next[state].items():
+                queue.append(child)
+                self._fail[child] = self._step(self._fail[state], ch)
+                if self._match[child] is None:
+                    self._match[child] = self._match[self._fail[child]]
+        self.state = 0
+
+    def _step(self, state: int, ch: str) -> int:
+        while state and ch not in self._next[state]:
+            state = self._fail[state]
+        return self._next[state].get(ch, 0)
+
+    def feed(self, text: str) -> tuple[int, str] | None:
+        """Advance over `text`; at the first stop string completed, (the offset in `text` just
+        past it, the stop string), and the rest of `text` is not read."""
+        for i, ch in enumerate(text):
+            self.state = self._step(self.state, ch)
+            match = self._match[self.state]
+            if match is not None:
+                return i + 1, match
+        return None
+
+    @property
+    def pending(self) -> int:
+        """Characters at the end of the text fed so far that may begin a stop string."""
+        return self._depth[self.state]
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of output ids into text deltas.
 
     Text is released only once it is final: bytes of an unfinished UTF-8 character wait for
     the next token, and a tail that could begin a stop string waits until it either completes
-    the stop string (and is cut) or cannot any more.
+    the stop string (and is cut) or cannot any more. This is the one place stop strings are
+    matched: the scheduler works on token ids only.
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
                  stop: list[str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.stop = stop or []
         self.ids: list[int] = []
         self.text = ""  # decoded so far
         self.sent = 0  # characters of `text` already returned
         self.stopped = False  # a stop string matched: the text ends before it, for good
+        self.matched_stop: str | None = None
+        self._matcher = StopStringMatcher(stop) if stop else None
+        self._matched_upto = 0  # characters of `text` fed to the matcher
         self._prefix_offset = 0
         self._read_offset = 0
 
@@ -64,23 +138,16 @@ class IncrementalDetokenizer:
 
     def _release(self, final: bool) -> str:
         end = len(self.text)
-        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text = self.text[:cut]
-            end = cut
-            self.stopped = True
-        elif not final:
-            end -= self._stop_prefix_len()
+        if self._matcher is not None:
+            hit = self._matcher.feed(self.text[self._matched_upto:])
+            if hit is not None:
+                stop_end, self.matched_stop = self._matched_upto + hit[0], hit[1]
+                end = stop_end - len(hit[1])
+                self.text = self.text[:end]
+                self.stopped = True
+            elif not final:
+                end -= self._matcher.pending
+            self._matched_upto = len(self.text)
         end = max(end, self.sent)
         delta, self.sent = self.text[self.sent:end], end
         return delta
-
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:n]):
-                    best = n
-                    break
-        return best

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from srt.compilation.piece_compiler import COMPILERS
 from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 
 class Phase(enum.StrEnum):
@@ -155,8 +158,8 @@ def resolve_graph_config(
     if args.cuda_graph_tc_compiler is not None and not any(
         c.backend is Backend.TC_PIECEWISE for c in configs.values()
     ):
-        raise GraphConfigError(
-            "--cuda-graph-tc-compiler: needs --cuda-graph-backend-decode or "
-            "--cuda-graph-backend-prefill tc_piecewise"
-        )
+        # As SGLang does, a compiler that nothing uses is ignored, not refused.
+        logger.warning("--cuda-graph-tc-compiler %s is ignored: no phase uses tc_piecewise "
+                       "(set --cuda-graph-backend-decode or -prefill tc_piecewise)",
+                       args.cuda_graph_tc_compiler)
     return configs

@@ -1,0 +1,46 @@
+"""SGLang's native /generate: `text` or `input_ids`, one or a batch, results with meta_info.
+Requests go through the same front end as `Engine.generate`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from srt.entrypoints.http_common import EventStream, sse, unless_disconnected
+from srt.entrypoints.openai_protocol import GenerateRequest
+from srt.managers.frontend import Seq
+from srt.managers.outputs import SeqResult
+from srt.managers.tokenizer_manager import TokenizerManager
+
+
+def native_router(manager: TokenizerManager) -> APIRouter:
+    router = APIRouter()
+
+    def native(r: SeqResult) -> dict[str, Any]:
+        return {"index": r.index, **r.native()}
+
+    async def native_events(seqs: list[Seq]) -> AsyncIterator[dict[str, Any]]:
+        # SGLang streams each sequence's text and ids so far, not deltas.
+        results = [SeqResult(i) for i in range(len(seqs))]
+        async with aclosing(manager.generate(seqs)) as updates:
+            async for u in updates:
+                results[u.index].add(u)
+                yield native(results[u.index])
+
+    @router.post("/generate")
+    async def generate(req: GenerateRequest, request: Request) -> Any:
+        single, seqs = await manager.prepare(
+            lambda frontend: frontend.native(req.text, req.input_ids, req.sampling_params))
+        if req.stream:
+            return EventStream(sse(native_events(seqs)))
+        results = await unless_disconnected(request, manager.generate_all(seqs))
+        if isinstance(results, Response):
+            return results
+        out = [native(r) for r in results]
+        return out[0] if single else out
+
+    return router

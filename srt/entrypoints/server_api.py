@@ -1,0 +1,59 @@
+"""The server's own endpoints: health, live info, Prometheus metrics, flushing the prefix cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from srt.entrypoints.http_common import OrjsonResponse, error_response
+from srt.managers.tokenizer_manager import TokenizerManager
+
+HEALTH_PATH = "/health"  # open without the API key, for load balancers
+
+
+def server_router(manager: TokenizerManager) -> APIRouter:
+    router = APIRouter()
+
+    @router.get(HEALTH_PATH)
+    async def health() -> Response:
+        if manager.ready:
+            return OrjsonResponse({"status": "ok"})
+        return OrjsonResponse({"status": manager.failure or "starting"}, status_code=503)
+
+    @router.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        info = await manager.get_info()
+        args = dataclasses.asdict(manager.args)
+        if args["api_key"]:
+            args["api_key"] = "<redacted>"
+        cfg = manager.model_config
+        return {
+            "server_args": args,
+            "model": {"name": manager.model_name, "path": str(cfg.path),
+                      "architecture": cfg.architecture, "num_layers": cfg.num_layers,
+                      "vocab_size": cfg.vocab_size, "context_length": manager.context_length},
+            **manager.startup,
+            "runner": info.runner,
+            "graphs": info.runner["graphs"],
+            "compile": info.runner["compile"],
+            "scheduler": info.scheduler,
+        }
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        info = await manager.get_info()
+        body = manager.metrics.render(info.scheduler, info.runner,
+                                      manager.startup.get("startup_s", 0.0))
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @router.post("/flush_cache")
+    async def flush_cache() -> Response:
+        if await manager.flush_cache():
+            return OrjsonResponse({"success": True})
+        return error_response(400, "cannot flush the cache while requests are in flight")
+
+    return router
