@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from srt.bench.server_process import ServerProcess as BenchServerProcess
+from srt.bench.server_process import free_port  # noqa: F401 (the tests take it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 120

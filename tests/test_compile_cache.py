@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import fx
 
+import srt.compilation.cache as compile_cache
 from srt.compilation import cache as cache_module
 from srt.compilation.cache import BucketManifest, CacheFactors, CompileCache, collect_factors
 from srt.compilation.split import piece_signature
@@ -76,7 +77,7 @@ def test_cache_key_follows_the_gpu_and_its_driver(monkeypatch: pytest.MonkeyPatc
     driver = [13000]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
-    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: driver[0], raising=False)
+    monkeypatch.setattr(compile_cache, "cuda_driver_version", lambda: driver[0])
 
     def key() -> str:
         return collect_factors({}, torch.device("cuda"), Path(__file__)).key()

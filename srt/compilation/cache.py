@@ -132,6 +132,17 @@ def inductor_factor(device: torch.device) -> dict[str, Any]:
     return factor
 
 
+def cuda_driver_version() -> int:
+    """The CUDA driver's version number, asked of the driver itself (torch 2.11 has no binding
+    for it)."""
+    import ctypes
+
+    version = ctypes.c_int()
+    if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) != 0:
+        raise RuntimeError("cuDriverGetVersion failed")
+    return version.value
+
+
 def cuda_factor(device: torch.device) -> dict[str, Any]:
     """The GPU and the CUDA stack under it: Triton compiles for this compute capability (and
     sizes persistent kernels by the SM count), through this driver and runtime."""
@@ -145,7 +156,7 @@ def cuda_factor(device: torch.device) -> dict[str, Any]:
         "name": props.name,
         "capability": f"{props.major}.{props.minor}",
         "multiprocessors": props.multi_processor_count,
-        "driver": torch._C._cuda_getDriverVersion(),
+        "driver": cuda_driver_version(),
         "runtime": torch.version.cuda,
         "runtime_packages": runtimes,
     }
