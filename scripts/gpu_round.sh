@@ -26,7 +26,8 @@ exec > >(tee -a "$out/round.log") 2>&1
 
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+    .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
 {

@@ -59,17 +59,24 @@ def test_trace_summary_counts_kernels_and_waits() -> None:
 
     steps = [event(one_batch.STEP_ANNOTATION, "user_annotation", 1000)] * 2
     kernels = [event("gemm", "kernel", 300)] * 4 + [event("rmsnorm", "kernel", 50)] * 6
-    other = [event("Memcpy DtoH", "gpu_memcpy", 10)] * 2
-    waits = [event("cudaStreamSynchronize", "cuda_runtime", 400),
+    def linked(event_: dict, correlation: int) -> dict:
+        return {**event_, "args": {"correlation": correlation}}
+
+    copies = [linked(event("Memcpy DtoH (Device -> Pageable)", "gpu_memcpy", 10), 7),
+              linked(event("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", 10), 8)]
+    waits = [event("cudaStreamSynchronize", "cuda_runtime", 100),
+             linked(event("cudaMemcpyAsync", "cuda_runtime", 300), 7),  # waits for the result
+             linked(event("cudaMemcpyAsync", "cuda_runtime", 20), 8),  # an upload: host work
              event("cudaLaunchKernel", "cuda_runtime", 5)] * 2
-    summary = one_batch.summarize_trace({"traceEvents": steps + kernels + other + waits})
+    summary = one_batch.summarize_trace({"traceEvents": steps + kernels + copies + waits})
     assert summary["steps"] == 2
     assert summary["wall_ms_per_step"] == 1.0
     assert summary["kernels_per_step"] == 5  # memcpys are device time, not kernels
     assert summary["gpu_ms_per_step"] == pytest.approx((1200 + 300 + 20) / 2 / 1000)
-    assert summary["host_ms_per_step"] == pytest.approx(0.6)  # the wall less the syncs
+    assert summary["wait_ms_per_step"] == pytest.approx(0.4)
+    assert summary["host_ms_per_step"] == pytest.approx(0.6)  # the wall less the waits
     top = summary["top_kernels"]
-    assert [k["name"] for k in top] == ["gemm", "rmsnorm", "Memcpy DtoH"]
+    assert [k["name"] for k in top][:2] == ["gemm", "rmsnorm"]
     assert top[0]["calls_per_step"] == 2 and top[0]["ms_per_step"] == 0.6
 
 
@@ -179,6 +186,7 @@ def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys)
         assert all(v is None or v >= 0 for k, v in b.items()
                    if k != "runner_other_setup_s"), b
         assert b["runner_ready_after_s"] <= b["launch_to_ready_s"]
+        assert b["runner_kv_alloc_s"] >= 0  # timed by the runner itself
         assert 0 < r["ttft_first_ms"] < r["t2t_first_ms"]
         assert 0 < r["ttft_later_ms"] < r["t2t_later_ms"]
         assert [x["batch"] for x in r["buckets"]] == [1, 2]

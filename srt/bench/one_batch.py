@@ -42,9 +42,8 @@ from srt.server_args import ServerArgs
 from srt.tools.model_shapes import MODEL_SHAPES, write_model_shape
 
 STEP_ANNOTATION = "srt_decode_step"
-# Device activity in a Kineto trace, and the host calls that wait for the device.
+# Device activity in a Kineto trace.
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-_WAITS = ("Synchronize", "cudaMemcpy ")
 
 
 @dataclasses.dataclass
@@ -131,8 +130,13 @@ def summarize_trace(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
              and e.get("cat") == "user_annotation"]
     n = max(len(steps), 1)
     device = [e for e in events if e.get("cat") in _DEVICE_CATEGORIES]
-    waits = [e for e in events if e.get("cat") == "cuda_runtime"
-             and any(w in e.get("name", "") + " " for w in _WAITS)]
+    # The host waits in a synchronize call, or in the copy of a result to pageable memory,
+    # which returns only once the copy (so everything queued before it) is done.
+    to_host = {e.get("args", {}).get("correlation") for e in device
+               if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")}
+    waits = [e for e in events if e.get("cat") == "cuda_runtime" and (
+        "Synchronize" in e.get("name", "")
+        or e.get("args", {}).get("correlation") in to_host)]
     per_kernel: dict[str, list[float]] = collections.defaultdict(list)
     for e in device:
         per_kernel[e["name"]].append(e["dur"] / 1000)

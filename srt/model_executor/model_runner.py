@@ -57,8 +57,10 @@ class ModelRunner:
         self.load_s = time.perf_counter() - start
         logger.info("loaded %s (%s) in %.2f s", config.architecture, config.dtype, self.load_s)
 
+        start = time.perf_counter()
         self.num_slots = self._kv_slots()
         self.kv_cache = KVCache(config, self.num_slots, self.device)
+        self.kv_alloc_s = time.perf_counter() - start
         for layer, k, v in zip(
             self.model.attention_layers(), self.kv_cache.k, self.kv_cache.v, strict=True
         ):
@@ -193,6 +195,7 @@ class ModelRunner:
             "kv_cache_bytes": self.kv_cache.nbytes,
             "context_length": self.context_length,
             "load_s": round(self.load_s, 3),
+            "kv_alloc_s": round(self.kv_alloc_s, 3),
             "capture_s": round(self.capture_s, 3),
             "graph_pool": self.graph_pool.info(),
             "compile": compile_info(self.piecewise),
