@@ -35,7 +35,7 @@ from typing import Any
 from tqdm import tqdm
 
 from srt.bench.report import format_table, machine, write_json
-from srt.bench.server_process import ServerProcess
+from srt.bench.server_process import ServerProcess, add_server_flags_arg, server_flags
 from srt.bench.serving import RequestRecord, metrics, random_requests, run_load
 from srt.tools.model_shapes import MODEL_SHAPES, write_model_shape
 
@@ -324,10 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-file", type=Path, help="Write the JSON results here.")
     parser.add_argument("--plot", type=Path, help="Write the PNG plot here.")
-    parser.add_argument("server_flags", nargs=argparse.REMAINDER,
-                        help="-- then server flags common to every configuration.")
+    add_server_flags_arg(parser, "-- then server flags common to every configuration.")
     ns = parser.parse_args(argv)
-    common = ns.server_flags[1:] if ns.server_flags[:1] == ["--"] else ns.server_flags
+    common = server_flags(ns)
     unknown = [c for c in ns.configs if c not in PRESETS]
     if unknown:
         parser.error(f"--configs: unknown preset(s) {', '.join(unknown)}; "

@@ -3,6 +3,7 @@ with `python -m srt.launch_server FLAGS`, timed from launch to its first `/healt
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -21,6 +22,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def add_server_flags_arg(parser: argparse.ArgumentParser, help: str) -> None:
+    """Server flags after `--` on a benchmark's command line (`server_flags(ns)` reads them)."""
+    parser.add_argument("server_flags", nargs=argparse.REMAINDER, help=help)
+
+
+def server_flags(ns: argparse.Namespace) -> list[str]:
+    rest: list[str] = ns.server_flags
+    return rest[1:] if rest[:1] == ["--"] else rest
 
 
 class ServerProcess:

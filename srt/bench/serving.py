@@ -32,7 +32,7 @@ import orjson
 from tqdm import tqdm
 
 from srt.bench.report import format_table, machine, summary, write_json
-from srt.bench.server_process import ServerProcess
+from srt.bench.server_process import ServerProcess, add_server_flags_arg, server_flags
 
 
 @dataclasses.dataclass
@@ -252,10 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ready-timeout", type=float, default=600.0,
                         help="Seconds to wait for a server this tool starts.")
     parser.add_argument("--output-file", type=Path, help="Write the JSON results here.")
-    parser.add_argument("server_flags", nargs=argparse.REMAINDER,
-                        help="-- then the flags of the server to start (without --base-url).")
+    add_server_flags_arg(parser, "-- then the flags of the server to start (without --base-url).")
     ns = parser.parse_args(argv)
-    flags = ns.server_flags[1:] if ns.server_flags[:1] == ["--"] else ns.server_flags
+    flags = server_flags(ns)
     if ns.base_url and flags:
         parser.error("give either --base-url or server flags after --, not both")
     if min(ns.num_prompts) < 1 or ns.input_len < 1 or ns.output_len < 1:
