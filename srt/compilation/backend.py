@@ -112,7 +112,8 @@ def _piece_args(
 ) -> dict[str, tuple[Any, ...]]:
     """Each submodule's fake arguments, by running the split graph on fake inputs."""
     fake_inputs = [
-        fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor)
+        fake_mode.from_tensor(a)
+        if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor)
         else a
         for a in example_inputs
     ]
@@ -130,7 +131,11 @@ def _piece_args(
 
 class PiecewiseBackend:
     def __init__(
-        self, compilers: Sequence[str], cache: CompileCache, router: Router, max_tokens: int,
+        self,
+        compilers: Sequence[str],
+        cache: CompileCache,
+        router: Router,
+        max_tokens: int,
         title: str,
     ) -> None:
         self.compilers = list(compilers)
@@ -149,8 +154,12 @@ class PiecewiseBackend:
     @property
     def cache_hit(self) -> bool | None:
         """Whether every Inductor piece came from the cache; None without Inductor."""
-        sources = [p[c]["source"] for p in self.pieces_info for c in self.compilers
-                   if c == "inductor" and p[c]["source"] != "shared"]
+        sources = [
+            p[c]["source"]
+            for p in self.pieces_info
+            for c in self.compilers
+            if c == "inductor" and p[c]["source"] != "shared"
+        ]
         return all(s == "loaded" for s in sources) if sources else None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
@@ -161,7 +170,9 @@ class PiecewiseBackend:
         split = split_graph(gm)
         logger.info(
             "split at %s: %d compilable pieces, %d split regions",
-            split_ops(), len(split.pieces), len(split.regions),
+            split_ops(),
+            len(split.pieces),
+            len(split.regions),
         )
         args = _piece_args(split, example_inputs, fake_mode)
         self.signatures = [
@@ -199,18 +210,35 @@ class PiecewiseBackend:
             sig = self.signatures[i]
             if sig in first_with:
                 fns.append(fns[first_with[sig]])
-                self.pieces_info[i][compiler] = {"source": "shared", "s": 0.0,
-                                                 "shares": first_with[sig]}
-                logger.info("piece %d (%s), %s: shares the artifact of piece %d",
-                            i, name, compiler, first_with[sig])
+                self.pieces_info[i][compiler] = {
+                    "source": "shared",
+                    "s": 0.0,
+                    "shares": first_with[sig],
+                }
+                logger.info(
+                    "piece %d (%s), %s: shares the artifact of piece %d",
+                    i,
+                    name,
+                    compiler,
+                    first_with[sig],
+                )
                 continue
             first_with[sig] = i
             piece = compile_piece(
-                compiler, split.module.get_submodule(name), args[name], self.cache,
+                compiler,
+                split.module.get_submodule(name),
+                args[name],
+                self.cache,
                 f"{compiler}-{sig}-t{self.max_tokens}",  # the token range shapes codegen
             )
             fns.append(piece.fn)
             self.pieces_info[i][compiler] = {"source": piece.source, "s": round(piece.seconds, 3)}
-            logger.info("piece %d (%s), %s: %s in %.2f s",
-                        i, name, compiler, _HOW[piece.source], piece.seconds)
+            logger.info(
+                "piece %d (%s), %s: %s in %.2f s",
+                i,
+                name,
+                compiler,
+                _HOW[piece.source],
+                piece.seconds,
+            )
         return fns

@@ -45,8 +45,11 @@ def split_graph(gm: fx.GraphModule) -> SplitGraph:
             continue
         is_region = node.op == "call_function" and (
             is_split_op(node.target)
-            or (node.target is operator.getitem and isinstance(node.args[0], fx.Node)
-                and partition.get(node.args[0]) in region_parts)
+            or (
+                node.target is operator.getitem
+                and isinstance(node.args[0], fx.Node)
+                and partition.get(node.args[0]) in region_parts
+            )
         )
         if in_region is not None and is_region != in_region:
             part += 1
@@ -62,7 +65,8 @@ def split_graph(gm: fx.GraphModule) -> SplitGraph:
             result.regions.append(name)
             sub = split.get_submodule(name)
             result.region_ops[name] = [
-                op_qualname(n.target) for n in sub.graph.nodes
+                op_qualname(n.target)
+                for n in sub.graph.nodes
                 if n.op == "call_function" and is_split_op(n.target)
             ]
         else:
@@ -81,8 +85,10 @@ def _target_name(target: Any) -> str:
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return (f"Tensor({value.dtype}, {tuple(value.shape)}, {value.stride()}, "
-                f"{value.device.type}, grad={value.requires_grad})")
+        return (
+            f"Tensor({value.dtype}, {tuple(value.shape)}, {value.stride()}, "
+            f"{value.device.type}, grad={value.requires_grad})"
+        )
     if isinstance(value, torch.SymInt):
         return f"SymInt({value})"
     return repr(value)

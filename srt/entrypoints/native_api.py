@@ -34,7 +34,8 @@ def native_router(manager: TokenizerManager) -> APIRouter:
     @router.post("/generate")
     async def generate(req: GenerateRequest, request: Request) -> Any:
         single, seqs = await manager.prepare(
-            lambda frontend: frontend.native(req.text, req.input_ids, req.sampling_params))
+            lambda frontend: frontend.native(req.text, req.input_ids, req.sampling_params)
+        )
         if req.stream:
             return EventStream(sse(native_events(seqs)))
         results = await unless_disconnected(request, manager.generate_all(seqs))

@@ -38,8 +38,9 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32),
-                            rope_inv_freq(head_dim, theta, scaling))
+        freqs = torch.outer(
+            torch.arange(max_position, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling)
+        )
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 

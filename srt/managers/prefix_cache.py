@@ -71,7 +71,10 @@ class PrefixCache:
     def detach(self, req: Req) -> None:
         self._lock(req.cache_node, -1)
         req.slots, req.kv_len, req.cached_tokens, req.cache_node = (
-            np.zeros(0, np.int32), 0, 0, None
+            np.zeros(0, np.int32),
+            0,
+            0,
+            None,
         )
 
     def release(self, req: Req, tokens: list[int], slots: np.ndarray) -> None:
@@ -79,15 +82,16 @@ class PrefixCache:
         existed = self._insert(tokens, slots)
         # Tokens past the request's own hit that another request cached meanwhile: ours are
         # duplicates of slots the tree already owns.
-        self.allocator.free(slots[req.cached_tokens:existed])
+        self.allocator.free(slots[req.cached_tokens : existed])
         if req.cache_node is not None:
             self._lock(req.cache_node, -1)
             req.cache_node = None
 
     def evict(self, num_slots: int) -> int:
         """Free at least `num_slots` slots from unlocked leaves (LRU first) if possible."""
-        leaves = [(n.last_access, id(n), n) for n in self._nodes()
-                  if not n.children and n.lock_ref == 0]
+        leaves = [
+            (n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0
+        ]
         heapq.heapify(leaves)
         freed = 0
         while freed < num_slots and leaves:

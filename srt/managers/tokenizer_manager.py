@@ -79,8 +79,9 @@ class TokenizerManager:
 
     def mark_ready(self, context_length: int, kv_capacity: int, startup: dict[str, Any]) -> None:
         self.context_length, self.kv_capacity, self.startup = context_length, kv_capacity, startup
-        self.frontend = RequestFrontend(self.tokenizer, RequestLimits(
-            self.model_config.vocab_size, context_length, kv_capacity))
+        self.frontend = RequestFrontend(
+            self.tokenizer, RequestLimits(self.model_config.vocab_size, context_length, kv_capacity)
+        )
         self.ready = True
 
     def fail(self, reason: str) -> int:
@@ -152,8 +153,7 @@ class TokenizerManager:
         self.check_ready()
         frontend = self.frontend
         assert frontend is not None
-        return await asyncio.get_running_loop().run_in_executor(
-            self.prepare_pool, build, frontend)
+        return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, build, frontend)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -165,8 +165,10 @@ class TokenizerManager:
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         base = uuid.uuid4().hex
         rids = [f"{base}-{i}" for i in range(len(seqs))]
-        decoders = {rid: SeqDecoder(i, self.tokenizer, seq.params)
-                    for i, (rid, seq) in enumerate(zip(rids, seqs, strict=True))}
+        decoders = {
+            rid: SeqDecoder(i, self.tokenizer, seq.params)
+            for i, (rid, seq) in enumerate(zip(rids, seqs, strict=True))
+        }
         last_seen: dict[str, float] = {}
         pending = set(rids)
         for rid, seq in zip(rids, seqs, strict=True):
@@ -183,9 +185,11 @@ class TokenizerManager:
                 update, abort = decoders[out.rid].update(out)
                 now = time.perf_counter()
                 if update.token_ids:
-                    self.metrics.observe_tokens(len(update.token_ids),
-                                                now - last_seen.get(out.rid, arrival),
-                                                first=out.rid not in last_seen)
+                    self.metrics.observe_tokens(
+                        len(update.token_ids),
+                        now - last_seen.get(out.rid, arrival),
+                        first=out.rid not in last_seen,
+                    )
                     last_seen[out.rid] = now
                 if update.finish_reason is not None:
                     pending.discard(out.rid)

@@ -105,8 +105,11 @@ class BreakableGraphRunner(BucketRunner):
             self.logits[: logits.shape[0]].copy_(logits)
             splitter.segments.append(session.end())
         calls = [
-            SplitCall(c.op, tree_map_only(torch.Tensor, unowned, c.args),
-                      tree_map_only(torch.Tensor, unowned, c.kwargs))
+            SplitCall(
+                c.op,
+                tree_map_only(torch.Tensor, unowned, c.args),
+                tree_map_only(torch.Tensor, unowned, c.kwargs),
+            )
             for c in splitter.calls
         ]
         return SegmentedGraph(splitter.segments, calls)

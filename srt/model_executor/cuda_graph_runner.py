@@ -61,8 +61,13 @@ class FullGraphRunner(BucketRunner):
         if self.compiled is not None and bucket <= self.env.args.torch_compile_max_bs:
             fn, limits = self.compiled, torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
         with forward_context(padded), limits:
-            return fn(self.env.model, padded.input_ids, padded.positions,
-                      padded.extend_start_loc, padded.extend_lens)
+            return fn(
+                self.env.model,
+                padded.input_ids,
+                padded.positions,
+                padded.extend_start_loc,
+                padded.extend_lens,
+            )
 
     def warmup(self, padded: ForwardBatch, bucket: int) -> None:
         self.env.attn_backend.init_forward_metadata_capture(padded)

@@ -184,7 +184,11 @@ class GraphPool:
                 logger.warning(
                     "graph memory: skipping the capture of %s: it needs about %.1f MiB, the pool "
                     "would hold %.1f MiB of a %.1f MiB budget (--cuda-graph-mem-fraction); it "
-                    "runs uncaptured", label, need / MiB, projected / MiB, budget / MiB,
+                    "runs uncaptured",
+                    label,
+                    need / MiB,
+                    projected / MiB,
+                    budget / MiB,
                 )
                 return None
             before = self.bytes
@@ -203,7 +207,10 @@ class GraphPool:
         ms = (time.perf_counter() - start) * 1000
         logger.info(
             "captured %s in %.1f ms; graph pool %.1f MiB (+%.1f MiB)",
-            label, ms, self.bytes / MiB, (self.bytes - before) / MiB,
+            label,
+            ms,
+            self.bytes / MiB,
+            (self.bytes - before) / MiB,
         )
         return Captured(result, ms, self.bytes - before)
 

@@ -152,13 +152,17 @@ class BucketRunner(ABC):
         self.graphs: dict[int, Any] = {}
         self.uncaptured_runs = 0  # beyond the largest bucket, skipped buckets, or no capturer
         self.logits: torch.Tensor | None = None  # static output [max requests, vocab]
-        self.static = StaticBatch(
-            config.bs[-1], self.requests_for(config.bs[-1]), env.device
-        ) if env.pool.capturer is not None else None
+        self.static = (
+            StaticBatch(config.bs[-1], self.requests_for(config.bs[-1]), env.device)
+            if env.pool.capturer is not None
+            else None
+        )
         if self.static is None:
             logger.info(
                 "%s %s: nothing to capture on %s; running the uncaptured (eager) path",
-                phase.value, self.backend.value, env.device.type,
+                phase.value,
+                self.backend.value,
+                env.device.type,
             )
 
     def requests_for(self, bucket: int) -> int:
@@ -190,8 +194,7 @@ class BucketRunner(ABC):
         # Largest first: the smaller captures then reuse its pool memory.
         for bucket in sorted(set(buckets) & set(self.records), reverse=True):
             if self.records[bucket].state is BucketState.UNSEEN:
-                batch = dummy_batch(self.mode, bucket, self.env.req_to_token,
-                                    self.env.attn_backend)
+                batch = dummy_batch(self.mode, bucket, self.env.req_to_token, self.env.attn_backend)
                 self.specialise(bucket, batch)
 
     def specialise(self, bucket: int, batch: ForwardBatch) -> None:
@@ -236,8 +239,13 @@ class BucketRunner(ABC):
             "backend": self.backend.value,
             "max_bs": self.config.max_bs,
             "buckets": [
-                {"bucket": b, "state": r.state.value, "capture_ms": r.capture_ms,
-                 "pool_growth": r.pool_growth, "replays": r.replays}
+                {
+                    "bucket": b,
+                    "state": r.state.value,
+                    "capture_ms": r.capture_ms,
+                    "pool_growth": r.pool_growth,
+                    "replays": r.replays,
+                }
                 for b, r in records
             ],
             "captured": [b for b, r in records if r.state is BucketState.CAPTURED],
@@ -247,9 +255,8 @@ class BucketRunner(ABC):
             "uncaptured_runs": self.uncaptured_runs,
             "pool_bytes": self.env.pool.bytes,
             # the static inputs and output, outside the pool
-            "static_bytes": (self.static.nbytes if self.static is not None else 0) + (
-                self.logits.numel() * self.logits.element_size() if self.logits is not None
-                else 0),
+            "static_bytes": (self.static.nbytes if self.static is not None else 0)
+            + (self.logits.numel() * self.logits.element_size() if self.logits is not None else 0),
         }
 
 

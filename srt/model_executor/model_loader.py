@@ -41,8 +41,9 @@ def load_model(
     return model.eval()
 
 
-def dummy_values(name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-                 gen: torch.Generator) -> torch.Tensor:
+def dummy_values(
+    name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+) -> torch.Tensor:
     """The random value of the parameter (or checkpoint tensor) `name`: N(0, 0.02) matrices,
     unit norms, zero biases. Drawn where it will live, in its dtype: an 8B model's weights take
     a minute to draw on the CPU and copy over, well under a second on the GPU."""

@@ -44,8 +44,9 @@ def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
         keep_shape_guards=args.keep_shape_guards,
     )
     # Trace with the largest bucket's size: Inductor tunes the general graph for its hint.
-    batch = dummy_batch(ForwardMode.EXTEND, max(largest, MIN_TOKENS), env.req_to_token,
-                        env.attn_backend)
+    batch = dummy_batch(
+        ForwardMode.EXTEND, max(largest, MIN_TOKENS), env.req_to_token, env.attn_backend
+    )
     batch.attn_backend.init_forward_metadata(batch)
     with forward_context(batch):
         model.trace(batch.input_ids, batch.positions)

@@ -92,8 +92,7 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm)
-            for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
