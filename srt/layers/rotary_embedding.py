@@ -33,6 +33,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(nn.Module):
+    cos_cache: torch.Tensor  # buffers, [max_position, head_dim / 2]
+    sin_cache: torch.Tensor
+
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:

@@ -76,14 +76,14 @@ class FullGraphRunner(BucketRunner):
     def record(self, padded: ForwardBatch, bucket: int, session: CaptureSession) -> Graph:
         session.begin()
         logits = self._forward(padded, bucket)
-        self.logits[: logits.shape[0]].copy_(logits)
+        self.static_logits(logits.shape[0]).copy_(logits)
         return session.end()
 
     def replay(self, graph: Graph, padded: ForwardBatch, bucket: int) -> torch.Tensor:
         self.env.attn_backend.init_forward_metadata_replay(padded, bucket)
         with forward_context(padded):
             graph.replay()
-        return self.logits[: padded.batch_size]
+        return self.static_logits(padded.batch_size)
 
     def info(self) -> dict[str, Any]:
         info = super().info()

@@ -64,7 +64,7 @@ class Capturer(Protocol):
 
 
 class _CudaSession:
-    def __init__(self, pool: tuple[int, int]) -> None:
+    def __init__(self, pool: torch.cuda._POOL_HANDLE) -> None:
         self.pool = pool
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -74,6 +74,7 @@ class _CudaSession:
 
     def end(self) -> torch.cuda.CUDAGraph:
         graph, self.graph = self.graph, None
+        assert graph is not None, "end() without begin()"
         graph.capture_end()
         return graph
 

@@ -197,9 +197,10 @@ class ModelRunner:
         next_ids = sample(logits, sampling, all_greedy=not plan.temperatures.any())
         result = BatchResult(next_token_ids=next_ids.cpu().numpy(), step=plan.step)
         if plan.return_logprob:
-            chosen, top_vals, top_ids = logprobs_of(logits, next_ids, plan.top_logprobs_num)
+            chosen, top = logprobs_of(logits, next_ids, plan.top_logprobs_num)
             result.logprobs = chosen.cpu().numpy()
-            if top_vals is not None:
+            if top is not None:
+                top_vals, top_ids = top
                 result.top_logprob_vals = top_vals.cpu().numpy()
                 result.top_logprob_ids = top_ids.cpu().numpy()
         return result

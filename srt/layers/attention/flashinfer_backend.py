@@ -130,7 +130,12 @@ class FlashInferBackend(AttentionBackend):
             )
         device = batch.out_cache_loc.device
         self._ensure_wrappers(device)
-        if self.graph_indptr is None:
+        if (
+            self.graph_indptr is None
+            or self.graph_indices is None
+            or self.graph_last_page_len is None
+            or self.graph_pad_rows is None
+        ):  # all four are allocated together
             # Outside any capture: the first capture hook comes before its warm-up.
             width = batch.req_to_token.shape[1]
             self.graph_indptr = torch.zeros(self.max_bs + 1, dtype=torch.int32, device=device)

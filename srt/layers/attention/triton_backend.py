@@ -171,7 +171,7 @@ class TritonBackend(AttentionBackend):
     def init_forward_metadata_replay(self, batch: ForwardBatch, bucket: int) -> None:
         """Lay the live batch out in the static buffers, in the bucket's fixed layout. The
         batch's token tensors (out_cache_loc) are the runner's static buffers already."""
-        if self.static_ints is None:
+        if self.static_ints is None or self.static_scratch is None:
             raise RuntimeError("init_graph_state must run before graph capture")
         layout = self._graph_layout(batch.mode, bucket)
         if (
