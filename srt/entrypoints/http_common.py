@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -38,6 +38,10 @@ class EventStream(StreamingResponse):
     a disconnected client's sequences are aborted at once."""
 
     media_type = "text/event-stream"
+    body_iterator: AsyncGenerator[bytes, None]
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(events)
 
     async def stream_response(self, send: Send) -> None:
         try:
@@ -69,7 +73,7 @@ def _event(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def sse(events: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[bytes, None]:
     """Encode events; a failure after the response has started becomes an error event, and
     the stream always ends with `[DONE]`."""
     try:

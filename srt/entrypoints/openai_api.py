@@ -3,7 +3,7 @@ choices, logprobs), on the shared request front end."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -72,7 +72,7 @@ def openai_router(manager: TokenizerManager) -> APIRouter:
 
     async def completion_events(
         seqs: list[Seq], prompt_tokens: int, req: CompletionRequest
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         head = {
             "id": new_id("cmpl"),
             "object": "text_completion",
@@ -126,7 +126,7 @@ def openai_router(manager: TokenizerManager) -> APIRouter:
 
     async def chat_events(
         seqs: list[Seq], req: ChatCompletionRequest
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         head = {
             "id": new_id("chatcmpl"),
             "object": "chat.completion.chunk",

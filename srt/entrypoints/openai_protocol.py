@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,7 +25,7 @@ MAX_CHOICES = 128
 
 # OpenAI options this server does not implement, with the value that means "not used": a
 # request that sets one to anything else is refused rather than silently served without it.
-_UNSUPPORTED = {
+_UNSUPPORTED: dict[str, Any] = {
     "echo": False,
     "suffix": None,
     "best_of": 1,
@@ -120,7 +120,8 @@ class CompletionRequest(_SamplingRequest):
             return [p]
         if not p:
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        return list(p)
+        # A list of ints was returned above; mypy cannot narrow a list by its first element.
+        return list(cast(list[str] | list[list[int]], p))
 
     def sampling_params(self) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or 0)

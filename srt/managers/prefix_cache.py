@@ -100,6 +100,7 @@ class PrefixCache:
             freed += len(node.slots)
             self.size -= len(node.slots)
             parent = node.parent
+            assert parent is not None, "only the root has no parent, and it is never a leaf here"
             del parent.children[node.key[0]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
@@ -119,10 +120,12 @@ class PrefixCache:
 
     def _split(self, node: _Node, at: int) -> _Node:
         """Cut `node` after `at` tokens; return the new upper node."""
-        upper = _Node(node.parent, node.key[:at], node.slots[:at])
+        parent = node.parent
+        assert parent is not None, "the root is never split"
+        upper = _Node(parent, node.key[:at], node.slots[:at])
         upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
         upper.children = {node.key[at]: node}
-        node.parent.children[node.key[0]] = upper
+        parent.children[node.key[0]] = upper
         node.parent, node.key, node.slots = upper, node.key[at:], node.slots[at:]
         return upper
 

@@ -280,7 +280,7 @@ class Scheduler:
                 req.table_len = req.kv_len + 1
             ids = np.fromiter((r.output_ids[-1] for r, _ in items), np.int32, n)
             positions, locs = kv_lens, new
-            table = (req_rows, kv_lens, new)
+            table = [req_rows, kv_lens, new]
         else:
             parts: list[list[np.ndarray]] = [[], [], [], [], [], []]
             for req, extend in items:
@@ -328,9 +328,10 @@ class Scheduler:
         )
 
     def _record_logprobs(self, req: Req, result: BatchResult, i: int) -> None:
+        assert result.logprobs is not None, "only for a result that carries logprobs"
         req.logprobs.append(float(result.logprobs[i]))
         n = req.params.top_logprobs_num
-        if n and result.top_logprob_ids is not None:
+        if n and result.top_logprob_ids is not None and result.top_logprob_vals is not None:
             req.top_logprobs.append(
                 [
                     (int(t), float(v))

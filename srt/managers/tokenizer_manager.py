@@ -16,7 +16,7 @@ import pickle
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -54,6 +54,7 @@ class TokenizerManager:
     def __init__(self, args: ServerArgs, endpoints: Endpoints, model_config: ModelConfig) -> None:
         self.args = args
         self.model_config = model_config
+        assert args.model_path is not None, "the launcher resolves model_path"
         self.model_name = args.served_model_name or args.model_path
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.metrics = ServerMetrics()
@@ -91,7 +92,8 @@ class TokenizerManager:
         ended = len(self.seq_queues)
         for rid, queue in self.seq_queues.items():
             queue.put_nowait(TokenOutput(rid, [], finished_reason="abort", error=reason))
-        for waiter in [*self.info_waiters.values(), *self.flush_waiters]:
+        waiters: list[asyncio.Future[Any]] = [*self.info_waiters.values(), *self.flush_waiters]
+        for waiter in waiters:
             if not waiter.done():
                 waiter.set_exception(ServerNotReady(reason))
         return ended
@@ -114,13 +116,13 @@ class TokenizerManager:
                     if queue is not None:  # else: aborted here, the scheduler's echo
                         queue.put_nowait(msg)
                 elif isinstance(msg, InfoOutput):
-                    waiter = self.info_waiters.pop(msg.req_id, None)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(msg)
+                    info_waiter = self.info_waiters.pop(msg.req_id, None)
+                    if info_waiter is not None and not info_waiter.done():
+                        info_waiter.set_result(msg)
                 elif isinstance(msg, FlushCacheOutput):
-                    waiter = self.flush_waiters.popleft()
-                    if not waiter.done():
-                        waiter.set_result(msg.success)
+                    flush_waiter = self.flush_waiters.popleft()
+                    if not flush_waiter.done():
+                        flush_waiter.set_result(msg.success)
 
     def check_ready(self) -> None:
         if not self.ready:
@@ -158,7 +160,7 @@ class TokenizerManager:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def generate(self, seqs: list[Seq]) -> AsyncIterator[SeqUpdate]:
+    async def generate(self, seqs: list[Seq]) -> AsyncGenerator[SeqUpdate, None]:
         """Run prepared sequences; yield each step's update until every one has finished."""
         self.check_ready()
         arrival = time.perf_counter()
