@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import shlex
 import statistics
 import tempfile
@@ -226,7 +227,7 @@ def measure_start(
 
 def timeline(
     records: list[RequestRecord], ready_at: float, horizon_s: float
-) -> dict[str, list[float]]:
+) -> dict[str, list[float] | list[bool]]:
     """Every token's latency (ms: TTFT for a first token, else the gap since the previous
     event of its stream) against its arrival (s since ready), for the first `horizon_s`."""
     t: list[float] = []
@@ -285,7 +286,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                     for r in ok
                     if r["config"] == n and r["cache"] == "warm" and level in r["steady"]
                 ),
-                None,
+                math.nan,  # no point drawn
             )
             for n in names
         ],

@@ -26,13 +26,20 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
 from srt.bench.report import append_jsonl, format_table, machine
 from srt.tools.model_shapes import MODEL_SHAPES, write_model_shape
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedModel
+
+    class CausalLM(PreTrainedModel, GenerationMixin):
+        """What AutoModelForCausalLM loads: a model that also generates."""
+
 
 logger = logging.getLogger("srt.bench.hf_baseline")
 
@@ -58,19 +65,21 @@ def timed_steps(step: Callable[[], Any], n: int, device: torch.device) -> list[f
 
 def load_hf_model(
     path: Path, random_weights: bool, dtype: torch.dtype, device: torch.device
-) -> torch.nn.Module:
+) -> CausalLM:
     import transformers
 
     if not random_weights:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        return model.to(device).eval()
+        # transformers wraps PreTrainedModel.to in functools.wraps, which mypy types as an
+        # unbound function wanting `self` as its first argument.
+        return model.to(device).eval()  # type: ignore[arg-type]
     config = transformers.AutoConfig.from_pretrained(path)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
 
 
-def static_cache(model: torch.nn.Module, batch: int, length: int) -> Any:
+def static_cache(model: CausalLM, batch: int, length: int) -> Any:
     """A transformers StaticCache, whichever of its two signatures this version has."""
     from transformers import StaticCache
 
@@ -81,7 +90,7 @@ def static_cache(model: torch.nn.Module, batch: int, length: int) -> Any:
     return StaticCache(**kwargs)
 
 
-def prompt(model: torch.nn.Module, batch: int, input_len: int, seed: int) -> torch.Tensor:
+def prompt(model: CausalLM, batch: int, input_len: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, input_len), generator=gen)
     return ids.to(model.device)
@@ -89,7 +98,7 @@ def prompt(model: torch.nn.Module, batch: int, input_len: int, seed: int) -> tor
 
 @torch.inference_mode()
 def eager_decode(
-    model: torch.nn.Module, batch: int, input_len: int, output_len: int, seed: int
+    model: CausalLM, batch: int, input_len: int, output_len: int, seed: int
 ) -> dict[str, Any]:
     """Greedy decoding, one `model(...)` call per step with the dynamic cache."""
     from transformers import DynamicCache
@@ -108,7 +117,7 @@ def eager_decode(
 
 @torch.inference_mode()
 def generate_static(
-    model: torch.nn.Module, batch: int, input_len: int, output_len: int, seed: int
+    model: CausalLM, batch: int, input_len: int, output_len: int, seed: int
 ) -> dict[str, Any]:
     """`generate` with `cache_implementation="static"`, uncompiled (transformers would
     otherwise compile the forward by itself; the compiled row below does that explicitly).
@@ -141,7 +150,7 @@ def generate_static(
 
 @torch.inference_mode()
 def compiled_decode(
-    model: torch.nn.Module, batch: int, input_len: int, output_len: int, seed: int
+    model: CausalLM, batch: int, input_len: int, output_len: int, seed: int
 ) -> dict[str, Any]:
     """The decode forward compiled whole with `torch.compile(mode="reduce-overhead",
     fullgraph=True)` over a static cache, prefill eager (gpt-fast's recipe). The compile and
@@ -187,7 +196,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def floor_weight_bytes(model: torch.nn.Module) -> int:
+def floor_weight_bytes(model: CausalLM) -> int:
     """Bytes one decode step must read: every parameter, but of an untied input embedding
     only the rows of the batch (counted as none)."""
     embed = model.get_input_embeddings().weight

@@ -181,6 +181,7 @@ def bench(
     shape: str | None,
     profile_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
+    assert args.model_path is not None, "main resolves model_path"
     config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
     start = time.perf_counter()
     runner = ModelRunner(args, config)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ class ServerProcess:
         log_path: Path,
         *,
         api_key: str | None = None,
-        env: dict[str, str | None] | None = None,
+        env: Mapping[str, str | None] | None = None,
         cwd: Path | None = None,
         entry: tuple[str, ...] = ("-m", "srt.launch_server"),
     ) -> None:
