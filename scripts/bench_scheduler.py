@@ -25,11 +25,20 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=50)
     ns = parser.parse_args()
-    args = ServerArgs(max_running_requests=ns.requests, max_prefill_tokens=1 << 30,
-                      chunked_prefill_size=1 << 30, enable_prefix_caching=False)
+    args = ServerArgs(
+        max_running_requests=ns.requests,
+        max_prefill_tokens=1 << 30,
+        chunked_prefill_size=1 << 30,
+        enable_prefix_caching=False,
+    )
     total = ns.requests * (ns.prompt_len + ns.steps + 1) + 1
-    sched = Scheduler(args, num_slots=total, context_length=ns.prompt_len + ns.steps + 2,
-                      vocab_size=32000, eos_token_ids=[])
+    sched = Scheduler(
+        args,
+        num_slots=total,
+        context_length=ns.prompt_len + ns.steps + 2,
+        vocab_size=32000,
+        eos_token_ids=[],
+    )
     rng = np.random.default_rng(0)
     for i in range(ns.requests):
         prompt = rng.integers(0, 32000, ns.prompt_len).tolist()
@@ -48,9 +57,17 @@ def main() -> None:
         sched.process_result(items, runner(plan))
         plan_ms.append((planned - start) * 1000)
         process_ms.append((time.perf_counter() - planned) * 1000)
-    print(json.dumps({"requests": ns.requests, "prompt_len": ns.prompt_len, "steps": ns.steps,
-                      "plan_ms": round(statistics.median(plan_ms), 3),
-                      "process_ms": round(statistics.median(process_ms), 3)}))
+    print(
+        json.dumps(
+            {
+                "requests": ns.requests,
+                "prompt_len": ns.prompt_len,
+                "steps": ns.steps,
+                "plan_ms": round(statistics.median(plan_ms), 3),
+                "process_ms": round(statistics.median(process_ms), 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

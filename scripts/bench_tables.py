@@ -32,33 +32,63 @@ def runner_tables(rows: list[dict[str, Any]]) -> str:
         for r in mine:
             grid[path_label(r)][r["batch_size"]] = r["decode_ms_per_step"]
         floor = grid.get("bandwidth-floor", {})
-        table = [{"path": name, **{f"bs{b}": ms.get(b) for b in sizes},
-                  "bs1_x_floor": round(ms[1] / floor[1], 2) if 1 in ms and 1 in floor else None}
-                 for name, ms in grid.items()]
-        columns = [("decode ms/step", "path"), *[(f"bs {b}", f"bs{b}") for b in sizes],
-                   ("bs 1 / floor", "bs1_x_floor")]
+        table = [
+            {
+                "path": name,
+                **{f"bs{b}": ms.get(b) for b in sizes},
+                "bs1_x_floor": round(ms[1] / floor[1], 2) if 1 in ms and 1 in floor else None,
+            }
+            for name, ms in grid.items()
+        ]
+        columns = [
+            ("decode ms/step", "path"),
+            *[(f"bs {b}", f"bs{b}") for b in sizes],
+            ("bs 1 / floor", "bs1_x_floor"),
+        ]
         out += [f"### {model}: decode ms/step", "", markdown_table(table, columns), ""]
         srt_rows = [r for r in mine if "decode_backend" in r]
         firsts = {}
         for r in srt_rows:
-            entry = firsts.setdefault(one_batch.label(r), {
-                "path": one_batch.label(r), "startup_s": r["startup_s"], "load_s": r["load_s"],
-                "compile_s": r["compile_s"]})
+            entry = firsts.setdefault(
+                one_batch.label(r),
+                {
+                    "path": one_batch.label(r),
+                    "startup_s": r["startup_s"],
+                    "load_s": r["load_s"],
+                    "compile_s": r["compile_s"],
+                },
+            )
             entry[f"first{r['batch_size']}"] = r["cold_first_decode_ms"]
-        columns = [("srt path", "path"), ("startup s", "startup_s"), ("load s", "load_s"),
-                   ("compile s", "compile_s"),
-                   *[(f"first hit bs {b} ms", f"first{b}") for b in sizes]]
-        out += [f"### {model}: startup and first hits", "",
-                markdown_table(list(firsts.values()), columns), ""]
-        profiled = [{**r, **r["profile"], "label": one_batch.label(r)} for r in srt_rows
-                    if "profile" in r and r["batch_size"] == 1]
+        columns = [
+            ("srt path", "path"),
+            ("startup s", "startup_s"),
+            ("load s", "load_s"),
+            ("compile s", "compile_s"),
+            *[(f"first hit bs {b} ms", f"first{b}") for b in sizes],
+        ]
+        out += [
+            f"### {model}: startup and first hits",
+            "",
+            markdown_table(list(firsts.values()), columns),
+            "",
+        ]
+        profiled = [
+            {**r, **r["profile"], "label": one_batch.label(r)}
+            for r in srt_rows
+            if "profile" in r and r["batch_size"] == 1
+        ]
         if profiled:
-            out += [f"### {model}: profile of the warm decode steps, batch 1", "",
-                    markdown_table(profiled, one_batch.PROFILE_TABLE), ""]
+            out += [
+                f"### {model}: profile of the warm decode steps, batch 1",
+                "",
+                markdown_table(profiled, one_batch.PROFILE_TABLE),
+                "",
+            ]
         compiled = [r for r in mine if r.get("compile_s") and "method" in r]
         for r in compiled:
-            out.append(f"- {r['method']} bs {r['batch_size']}: compile and first call "
-                       f"{r['compile_s']} s")
+            out.append(
+                f"- {r['method']} bs {r['batch_size']}: compile and first call {r['compile_s']} s"
+            )
         errors = [r for r in rows if r["model"] == model and r.get("error")]
         out += [f"- {path_label(r)} bs {r['batch_size']} failed: {r['error']}" for r in errors]
         out.append("")
@@ -75,9 +105,16 @@ def main(paths: list[str]) -> None:
         if "runs" in data and data["runs"] and "cache" in data["runs"][0]:
             print(markdown_table(cold_start.table_rows(data["runs"]), cold_start.TABLE))
             print()
-            print(markdown_table([{"config": r["config"], "cache": r["cache"], **b}
-                                  for r in data["runs"] for b in r.get("buckets", [])],
-                                 cold_start.BUCKET_TABLE))
+            print(
+                markdown_table(
+                    [
+                        {"config": r["config"], "cache": r["cache"], **b}
+                        for r in data["runs"]
+                        for b in r.get("buckets", [])
+                    ],
+                    cold_start.BUCKET_TABLE,
+                )
+            )
         else:
             for run in data["runs"]:
                 run["flags"] = " ".join(data.get("server_flags", []))

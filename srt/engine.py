@@ -1,8 +1,8 @@
 """The in-process engine: scheduler and model runner in the calling process.
 
-    from srt import Engine
-    engine = Engine(model_path="...", device="cpu", dtype="float32")
-    engine.generate(prompt=["Hello"], sampling_params={"max_new_tokens": 16, "temperature": 0})
+from srt import Engine
+engine = Engine(model_path="...", device="cpu", dtype="float32")
+engine.generate(prompt=["Hello"], sampling_params={"max_new_tokens": 16, "temperature": 0})
 """
 
 from __future__ import annotations
@@ -73,11 +73,12 @@ class Engine:
         token_id) pair per output token, and with `top_logprobs_num: N`
         `output_top_logprobs`, N such pairs per output token).
         """
-        single, seqs = self.frontend.native(prompt, input_ids, sampling_params,
-                                            text_name="prompt")
+        single, seqs = self.frontend.native(prompt, input_ids, sampling_params, text_name="prompt")
         rids = [uuid.uuid4().hex for _ in seqs]
-        decoders = {rid: SeqDecoder(i, self.tokenizer, seq.params)
-                    for i, (rid, seq) in enumerate(zip(rids, seqs, strict=True))}
+        decoders = {
+            rid: SeqDecoder(i, self.tokenizer, seq.params)
+            for i, (rid, seq) in enumerate(zip(rids, seqs, strict=True))
+        }
         results = [SeqResult(i) for i in range(len(seqs))]
         running = set(rids)
         try:

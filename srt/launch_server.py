@@ -51,13 +51,15 @@ class BackendFailed(RuntimeError):
 class Child:
     """A spawned child process and the pipe on which it reports ready (or its error)."""
 
-    def __init__(self, name: str, target: Callable[..., None], args: ServerArgs,
-                 endpoints: Endpoints) -> None:
+    def __init__(
+        self, name: str, target: Callable[..., None], args: ServerArgs, endpoints: Endpoints
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.name = name
         self.reader, writer = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=target, args=(args, endpoints, writer),
-                                   name=f"srt-{name}")
+        self.process = ctx.Process(
+            target=target, args=(args, endpoints, writer), name=f"srt-{name}"
+        )
         self.process.start()
         writer.close()  # the child holds the only writer: EOF means it is gone
         self.figures: dict[str, Any] | None = None
@@ -77,8 +79,10 @@ class Child:
             if report:
                 self.figures = {**report, "ready_after_s": round(time.perf_counter() - start, 3)}
         if not self.process.is_alive():
-            raise BackendFailed(f"{self.name} process (pid {self.process.pid}) died "
-                                f"with exit code {self.process.exitcode}")
+            raise BackendFailed(
+                f"{self.name} process (pid {self.process.pid}) died "
+                f"with exit code {self.process.exitcode}"
+            )
 
     def stop(self) -> None:
         if self.process.is_alive():
@@ -121,14 +125,21 @@ class Launcher:
         from srt.managers.tokenizer_manager import TokenizerManager
         from srt.model_executor.runner_process import run_runner_process
 
-        for name, target in [("model_runner", run_runner_process),
-                             ("scheduler", run_scheduler_process)]:
+        for name, target in [
+            ("model_runner", run_runner_process),
+            ("scheduler", run_scheduler_process),
+        ]:
             self.children[name] = Child(name, target, self.args, self.endpoints)
         # Loads the tokenizer while the children load the model.
         self.manager = TokenizerManager(self.args, self.endpoints, model_config)
         config = uvicorn.Config(
-            create_app(self.manager), host=self.args.host, port=self.args.port, loop="none",
-            log_config=None, access_log=False, timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+            create_app(self.manager),
+            host=self.args.host,
+            port=self.args.port,
+            loop="none",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
         )
         self.server = uvicorn.Server(config)
         self.server.should_exit = self.stopping
@@ -180,31 +191,53 @@ class Launcher:
         assert runner is not None and scheduler is not None
         info = runner["info"]
         graphs = graph_figures(info)
-        backends = ", ".join(f"{phase} {g['backend']}"
-                             for phase, g in (info.get("graphs") or {}).items())
+        backends = ", ".join(
+            f"{phase} {g['backend']}" for phase, g in (info.get("graphs") or {}).items()
+        )
         logger.info(
             "model_runner ready after %.2f s (pid %d; setup %.2f s: load %.2f s, compile %.2f s, "
             "capture %.2f s); %s %s, %s attention, graphs: %s; %d KV slots, context length %d",
-            runner["ready_after_s"], runner["pid"], runner["setup_s"], info["load_s"],
-            graphs["compile_s"], graphs["capture_s"], info["device"], info["dtype"],
-            info["attention_backend"], backends or "none", info["kv_slots"],
+            runner["ready_after_s"],
+            runner["pid"],
+            runner["setup_s"],
+            info["load_s"],
+            graphs["compile_s"],
+            graphs["capture_s"],
+            info["device"],
+            info["dtype"],
+            info["attention_backend"],
+            backends or "none",
+            info["kv_slots"],
             info["context_length"],
         )
-        logger.info("scheduler ready after %.2f s (pid %d; setup %.2f s)",
-                    scheduler["ready_after_s"], scheduler["pid"], scheduler["setup_s"])
+        logger.info(
+            "scheduler ready after %.2f s (pid %d; setup %.2f s)",
+            scheduler["ready_after_s"],
+            scheduler["pid"],
+            scheduler["setup_s"],
+        )
         startup_s = round(time.perf_counter() - self.started, 3)
-        self.manager.mark_ready(info["context_length"], info["kv_slots"], {
-            "startup_s": startup_s,
-            "ready_at": time.time(),
-            "ipc_dir": self.endpoints.dir,
-            "processes": {
-                "tokenizer": {"pid": os.getpid()},
-                "scheduler": _without_info(scheduler),
-                "model_runner": {**_without_info(runner), "load_s": info["load_s"], **graphs},
+        self.manager.mark_ready(
+            info["context_length"],
+            info["kv_slots"],
+            {
+                "startup_s": startup_s,
+                "ready_at": time.time(),
+                "ipc_dir": self.endpoints.dir,
+                "processes": {
+                    "tokenizer": {"pid": os.getpid()},
+                    "scheduler": _without_info(scheduler),
+                    "model_runner": {**_without_info(runner), "load_s": info["load_s"], **graphs},
+                },
             },
-        })
-        logger.info("server ready in %.2f s: serving %s at http://%s:%d", startup_s,
-                    self.manager.model_name, self.args.host, self.args.port)
+        )
+        logger.info(
+            "server ready in %.2f s: serving %s at http://%s:%d",
+            startup_s,
+            self.manager.model_name,
+            self.args.host,
+            self.args.port,
+        )
 
     def cleanup(self) -> None:
         if self.manager is not None:
@@ -227,8 +260,7 @@ def bind(args: ServerArgs) -> socket.socket:
         return socket.create_server((args.host, args.port), family=family)
     except OSError as e:
         reason = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or str(e)
-        raise ServerArgsError("port", f"cannot listen on {args.host}:{args.port}: "
-                                      f"{reason}") from e
+        raise ServerArgsError("port", f"cannot listen on {args.host}:{args.port}: {reason}") from e
 
 
 def launch_server(args: ServerArgs, sock: socket.socket) -> int:

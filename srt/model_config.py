@@ -97,9 +97,12 @@ def warn_past_positions(config: ModelConfig, context_length: int | None) -> None
     """A context longer than the model was trained for runs, but past its positions the
     output is not to be trusted: say so."""
     if context_length is not None and context_length > config.max_position_embeddings:
-        logger.warning("--context-length %d is larger than the model's max_position_embeddings "
-                       "%d; output past that position may be poor", context_length,
-                       config.max_position_embeddings)
+        logger.warning(
+            "--context-length %d is larger than the model's max_position_embeddings "
+            "%d; output past that position may be poor",
+            context_length,
+            config.max_position_embeddings,
+        )
 
 
 def _resolve_dtype(dtype: str, cfg: dict[str, Any]) -> torch.dtype:

@@ -63,7 +63,8 @@ def run_child(name: str, log_level: str, ready: Connection, build: Callable[[], 
         ready.send({"error": f"{type(e).__name__}: {e}"})
         ready.close()
         sys.exit(1)
-    ready.send({"pid": os.getpid(), "setup_s": round(time.perf_counter() - start, 3),
-                **worker.figures()})
+    ready.send(
+        {"pid": os.getpid(), "setup_s": round(time.perf_counter() - start, 3), **worker.figures()}
+    )
     ready.close()
     worker.run()

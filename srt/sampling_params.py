@@ -44,14 +44,16 @@ class SamplingParams:
         """Parameters from a dict of SGLang's names; null means the default, as in the OpenAI
         API. Values are checked by `verify`."""
         if params is not None and not isinstance(params, Mapping):
-            raise InvalidRequest(f"sampling_params must be an object, got {params!r}",
-                                 param="sampling_params")
+            raise InvalidRequest(
+                f"sampling_params must be an object, got {params!r}", param="sampling_params"
+            )
         given = {k: v for k, v in (params or {}).items() if v is not None}
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(given) - names)
         if unknown:
-            raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}",
-                                 param=unknown[0])
+            raise InvalidRequest(
+                f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0]
+            )
         if isinstance(given.get("stop"), str):
             given["stop"] = [given["stop"]]
         return cls(**given)
@@ -67,36 +69,78 @@ class SamplingParams:
                 raise InvalidRequest(f"{called} {rule}{got}", param=called)
 
         m = self.max_new_tokens
-        check(m is None or (_is_int(m) and m >= 0), "max_new_tokens",
-              "must be a non-negative integer", m)
-        check(_is_finite(self.temperature) and self.temperature >= 0, "temperature",
-              "must be >= 0", self.temperature)
-        check(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]",
-              self.top_p)
-        check(_is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= vocab_size),
-              "top_k", f"must be -1 or in [1, {vocab_size}] (the vocabulary)", self.top_k)
-        check(_is_finite(self.min_p) and 0 <= self.min_p < 1, "min_p", "must be in [0, 1)",
-              self.min_p)
-        check(self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),
-              "seed", "must be a 64-bit integer", self.seed)
+        check(
+            m is None or (_is_int(m) and m >= 0),
+            "max_new_tokens",
+            "must be a non-negative integer",
+            m,
+        )
+        check(
+            _is_finite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "must be >= 0",
+            self.temperature,
+        )
+        check(
+            _is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p
+        )
+        check(
+            _is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= vocab_size),
+            "top_k",
+            f"must be -1 or in [1, {vocab_size}] (the vocabulary)",
+            self.top_k,
+        )
+        check(
+            _is_finite(self.min_p) and 0 <= self.min_p < 1, "min_p", "must be in [0, 1)", self.min_p
+        )
+        check(
+            self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),
+            "seed",
+            "must be a 64-bit integer",
+            self.seed,
+        )
         stop = self.stop
-        check(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop), "stop",
-              "must be a non-empty string or a list of them", show=False)
-        check(len(stop) <= MAX_STOP_STRINGS, "stop",
-              f"takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", show=False)
-        check(all(len(s) <= MAX_STOP_STRING_CHARS for s in stop), "stop",
-              f"strings must be at most {MAX_STOP_STRING_CHARS} characters", show=False)
-        check(all(is_encodable(s) for s in stop), "stop", "must be valid Unicode (a lone "
-              "surrogate cannot be encoded)", show=False)
-        check(isinstance(self.stop_token_ids, list)
-              and all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids),
-              "stop_token_ids", f"must be a list of token ids in [0, {vocab_size})", show=False)
+        check(
+            isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
+            "stop",
+            "must be a non-empty string or a list of them",
+            show=False,
+        )
+        check(
+            len(stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
+            show=False,
+        )
+        check(
+            all(len(s) <= MAX_STOP_STRING_CHARS for s in stop),
+            "stop",
+            f"strings must be at most {MAX_STOP_STRING_CHARS} characters",
+            show=False,
+        )
+        check(
+            all(is_encodable(s) for s in stop),
+            "stop",
+            "must be valid Unicode (a lone surrogate cannot be encoded)",
+            show=False,
+        )
+        check(
+            isinstance(self.stop_token_ids, list)
+            and all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be a list of token ids in [0, {vocab_size})",
+            show=False,
+        )
         for flag in ("ignore_eos", "skip_special_tokens", "logprobs"):
             value = getattr(self, flag)
             check(isinstance(value, bool), flag, "must be a boolean", value)
         n = self.top_logprobs_num
-        check(_is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS, "top_logprobs_num",
-              f"must be in [0, {MAX_TOP_LOGPROBS}]", n)
+        check(
+            _is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS,
+            "top_logprobs_num",
+            f"must be in [0, {MAX_TOP_LOGPROBS}]",
+            n,
+        )
         check(self.logprobs or not n, "top_logprobs_num", "needs logprobs: true", show=False)
 
 

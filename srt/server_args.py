@@ -38,11 +38,13 @@ class ServerArgs:
     tokenizer_path: str | None = _opt(None, "Tokenizer directory (default: model_path).")
     served_model_name: str | None = _opt(None, "Model name reported by the API.")
     load_format: str = _opt(
-        "auto", "auto: read safetensors; dummy: random weights from --seed.",
+        "auto",
+        "auto: read safetensors; dummy: random weights from --seed.",
         choices=["auto", "dummy"],
     )
     dtype: str = _opt(
-        "auto", "Weight and activation dtype (auto: the config's torch_dtype).",
+        "auto",
+        "Weight and activation dtype (auto: the config's torch_dtype).",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     device: str = _opt("auto", "cpu, cuda or auto (cuda when available).")
@@ -82,7 +84,8 @@ class ServerArgs:
         None, "JSON with per-phase settings; wins over the other graph flags."
     )
     cuda_graph_capture: str = _opt(
-        "lazy", "When buckets are captured: lazy (first hit), upfront, manifest.",
+        "lazy",
+        "When buckets are captured: lazy (first hit), upfront, manifest.",
         choices=["lazy", "upfront", "manifest"],
     )
     cuda_graph_mem_fraction: float = _opt(
@@ -139,17 +142,25 @@ class ServerArgs:
     def check(self) -> None:
         """ServerArgsError for the first option that no server could start with. Checked
         before anything starts (and by Engine), so that a typo costs no model load."""
-        for name in ("max_total_tokens", "context_length", "max_running_requests",
-                     "chunked_prefill_size", "max_prefill_tokens", "torch_compile_max_bs",
-                     "max_request_bytes"):
+        for name in (
+            "max_total_tokens",
+            "context_length",
+            "max_running_requests",
+            "chunked_prefill_size",
+            "max_prefill_tokens",
+            "torch_compile_max_bs",
+            "max_request_bytes",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ServerArgsError(name, f"must be a positive integer, got {value!r}")
         if not (isinstance(self.port, int) and 1 <= self.port <= _MAX_PORT):
             raise ServerArgsError("port", f"must be in [1, {_MAX_PORT}], got {self.port!r}")
         if str(self.log_level).lower() not in LOG_LEVELS:
-            raise ServerArgsError("log_level", f"invalid choice: {self.log_level!r} (choose "
-                                               f"from {', '.join(LOG_LEVELS)})")
+            raise ServerArgsError(
+                "log_level",
+                f"invalid choice: {self.log_level!r} (choose from {', '.join(LOG_LEVELS)})",
+            )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ServerArgsError("device", f"must be cpu, cuda or auto, got {self.device!r}")
         if self.device.startswith("cuda"):

@@ -25,9 +25,13 @@ def tc_engine(model: Path, cache: Path, compiler: str, **kwargs: Any) -> Engine:
     """Both phases tc_piecewise with `compiler`, on the CPU (float32 unless told)."""
     options = {"dtype": "float32", **LADDERS, **kwargs}
     return Engine(
-        model_path=str(model), device="cpu", compile_cache_dir=str(cache),
-        cuda_graph_backend_prefill="tc_piecewise", cuda_graph_backend_decode="tc_piecewise",
-        cuda_graph_tc_compiler=compiler, **options,
+        model_path=str(model),
+        device="cpu",
+        compile_cache_dir=str(cache),
+        cuda_graph_backend_prefill="tc_piecewise",
+        cuda_graph_backend_decode="tc_piecewise",
+        cuda_graph_tc_compiler=compiler,
+        **options,
     )
 
 
@@ -53,12 +57,21 @@ def make_batch(
         return np.asarray(list(values), dtype=np.int32)
 
     plan = BatchPlan(
-        forward_mode=int(mode), input_ids=i32(ids), positions=i32(pos), out_cache_loc=i32(slots),
-        req_pool_indices=i32(range(1, b + 1)), prefix_lens=i32(prefix_lens),
-        extend_lens=i32(len(t) for t in tokens), table_rows=i32(rows), table_cols=i32(pos),
-        table_slots=i32(slots), temperatures=np.zeros(b, np.float32),
-        top_ps=np.ones(b, np.float32), top_ks=np.zeros(b, np.int64),
-        min_ps=np.zeros(b, np.float32), seeds=np.zeros(b, np.int64),
+        forward_mode=int(mode),
+        input_ids=i32(ids),
+        positions=i32(pos),
+        out_cache_loc=i32(slots),
+        req_pool_indices=i32(range(1, b + 1)),
+        prefix_lens=i32(prefix_lens),
+        extend_lens=i32(len(t) for t in tokens),
+        table_rows=i32(rows),
+        table_cols=i32(pos),
+        table_slots=i32(slots),
+        temperatures=np.zeros(b, np.float32),
+        top_ps=np.ones(b, np.float32),
+        top_ks=np.zeros(b, np.int64),
+        min_ps=np.zeros(b, np.float32),
+        seeds=np.zeros(b, np.int64),
     )
     return runner.make_forward_batch(plan)
 
@@ -90,4 +103,3 @@ def max_logit_error(runner: ModelRunner) -> float:
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         worst = max(worst, (got - want).abs().max().item())
     return worst
-

@@ -33,7 +33,8 @@ def is_alive(pid: int) -> bool:
 
 def child_pids(pid: int) -> list[int]:
     return [
-        int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
+        int(stat.parent.name)
+        for stat in Path("/proc").glob("[0-9]*/stat")
         if (fields := _stat_fields(stat)) and int(fields[1]) == pid
     ]
 
@@ -41,11 +42,13 @@ def child_pids(pid: int) -> list[int]:
 class ServerProcess(BenchServerProcess):
     """The benchmarks' server subprocess, on the CPU and run from this checkout."""
 
-    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None,
-                 script: bool = False) -> None:
+    def __init__(
+        self, args: list[str], log_path: Path, api_key: str | None = None, script: bool = False
+    ) -> None:
         entry = ("launch_server.py",) if script else ("-m", "srt.launch_server")
-        super().__init__(["--device", "cpu", *args], log_path, api_key=api_key, cwd=REPO,
-                         entry=entry)
+        super().__init__(
+            ["--device", "cpu", *args], log_path, api_key=api_key, cwd=REPO, entry=entry
+        )
 
     def wait_ready(self) -> list[int]:  # type: ignore[override]
         """Poll /health until 200; returns every status code seen on the way."""

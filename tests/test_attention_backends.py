@@ -49,8 +49,14 @@ class World:
 
     @classmethod
     def create(
-        cls, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
-        rows: int = 32, context: int = 4096, slots: int = 32768,
+        cls,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str,
+        rows: int = 32,
+        context: int = 4096,
+        slots: int = 32768,
     ) -> World:
         shape = (slots, num_kv_heads, head_dim)
         return cls(
@@ -69,7 +75,10 @@ class World:
 
 
 def make_batch(
-    world: World, mode: ForwardMode, specs: list[tuple[int, int]], num_heads: int,
+    world: World,
+    mode: ForwardMode,
+    specs: list[tuple[int, int]],
+    num_heads: int,
     padded_tokens: int | None = None,
 ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A batch of fresh requests with random cached prefixes, and its random q, k, v."""
@@ -88,11 +97,15 @@ def make_batch(
         locs.append(slots[prefix:])
     num_tokens = sum(e for _, e in specs)
     batch = forward_batch_from_host(
-        mode, input_ids=np.zeros(num_tokens, np.int64),
+        mode,
+        input_ids=np.zeros(num_tokens, np.int64),
         positions=np.concatenate([np.arange(p, p + e) for p, e in specs]),
-        out_cache_loc=torch.cat(locs).cpu().numpy(), req_pool_indices=np.array(rows),
-        prefix_lens=np.array([p for p, _ in specs]), extend_lens=np.array([e for _, e in specs]),
-        req_to_token=world.req_to_token, attn_backend=None,
+        out_cache_loc=torch.cat(locs).cpu().numpy(),
+        req_pool_indices=np.array(rows),
+        prefix_lens=np.array([p for p, _ in specs]),
+        extend_lens=np.array([e for _, e in specs]),
+        req_to_token=world.req_to_token,
+        attn_backend=None,
     )
     batch = pad_tokens(batch, padded_tokens or num_tokens)
     t = batch.padded_tokens
@@ -103,7 +116,11 @@ def make_batch(
 
 
 def reference(
-    world: World, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    world: World,
+    batch: ForwardBatch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch_native's output and the caches it leaves, computed on copies of the caches."""
     _, num_kv_heads, head_dim = world.k_cache.shape
@@ -115,8 +132,10 @@ def reference(
 
 
 def assert_matches(
-    world: World, expected: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    out: torch.Tensor, num_tokens: int,
+    world: World,
+    expected: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+    num_tokens: int,
 ) -> None:
     ref_out, ref_k, ref_v = expected
     tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}[out.dtype]
@@ -127,14 +146,19 @@ def assert_matches(
 
 
 def check_eager(
-    backend_name: str, mode: ForwardMode, specs: list[tuple[int, int]], num_heads: int,
-    num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, pad: int = 0,
+    backend_name: str,
+    mode: ForwardMode,
+    specs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    pad: int = 0,
 ) -> None:
     world = World.create(num_kv_heads, head_dim, dtype, device)
     backend = create_attention_backend(backend_name, num_heads, num_kv_heads, head_dim)
-    batch, q, k, v = make_batch(
-        world, mode, specs, num_heads, sum(e for _, e in specs) + pad
-    )
+    batch, q, k, v = make_batch(world, mode, specs, num_heads, sum(e for _, e in specs) + pad)
     expected = reference(world, batch, q, k, v)
     out = torch.full_like(q, 7.0)  # garbage that the padded tail must lose
     backend.init_forward_metadata(batch)
@@ -143,9 +167,16 @@ def check_eager(
 
 
 def check_static_replay(
-    backend_name: str, mode: ForwardMode, batches_specs: list[list[tuple[int, int]]],
-    bucket: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-    device: str, max_bs: int = 8,
+    backend_name: str,
+    mode: ForwardMode,
+    batches_specs: list[list[tuple[int, int]]],
+    bucket: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    max_bs: int = 8,
 ) -> None:
     """The graph path, as the `full` runner drives it: capture with the first batch, then
     replay later batches of the same bucket through the static buffers.
@@ -184,8 +215,9 @@ def check_static_replay(
     for specs in batches_specs:
         live, q, k, v = make_batch(world, mode, specs, num_heads, bucket)
         expected = reference(world, live, q, k, v)
-        for static, new in zip((static_q, static_k, static_v, static_loc),
-                               (q, k, v, live.out_cache_loc), strict=True):
+        for static, new in zip(
+            (static_q, static_k, static_v, static_loc), (q, k, v, live.out_cache_loc), strict=True
+        ):
             static.copy_(new)
         static_out.fill_(7.0)
         backend.init_forward_metadata_replay(
@@ -284,7 +316,11 @@ def test_triton_kernels_under_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     code = "from tests.test_attention_backends import run_interpreter_checks as r; r()"
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -30,17 +30,37 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def test_one_batch_with_profile(tiny_llama: Path, tmp_path: Path, capsys) -> None:
     results = tmp_path / "ob.jsonl"
-    one_batch.main(["--model-path", str(tiny_llama), "--device", "cpu", "--dtype", "float32",
-                    "--batch-size", "1", "3", "--input-len", "8", "--output-len", "5",
-                    "--runs", "1", "--profile", str(tmp_path / "prof"),
-                    "--result-file", str(results)])
+    one_batch.main(
+        [
+            "--model-path",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--batch-size",
+            "1",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "5",
+            "--runs",
+            "1",
+            "--profile",
+            str(tmp_path / "prof"),
+            "--result-file",
+            str(results),
+        ]
+    )
     rows = read_jsonl(results)
     assert [r["batch_size"] for r in rows] == [1, 3]
     for r in rows:
         assert r["decode_backend"] == "disabled" and r["device"] == "cpu"
         assert r["decode_ms_per_step"] > 0 and r["prefill_ms"] > 0
-        assert r["decode_tok_s"] == pytest.approx(r["batch_size"] * 1000
-                                                  / r["decode_ms_per_step"], rel=1e-2)
+        assert r["decode_tok_s"] == pytest.approx(
+            r["batch_size"] * 1000 / r["decode_ms_per_step"], rel=1e-2
+        )
         prof = r["profile"]
         assert prof["steps"] == 4  # output_len - 1 decode steps, each annotated
         assert Path(prof["trace"]).is_file()
@@ -59,15 +79,20 @@ def test_trace_summary_counts_kernels_and_waits() -> None:
 
     steps = [event(one_batch.STEP_ANNOTATION, "user_annotation", 1000)] * 2
     kernels = [event("gemm", "kernel", 300)] * 4 + [event("rmsnorm", "kernel", 50)] * 6
+
     def linked(event_: dict, correlation: int) -> dict:
         return {**event_, "args": {"correlation": correlation}}
 
-    copies = [linked(event("Memcpy DtoH (Device -> Pageable)", "gpu_memcpy", 10), 7),
-              linked(event("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", 10), 8)]
-    waits = [event("cudaStreamSynchronize", "cuda_runtime", 100),
-             linked(event("cudaMemcpyAsync", "cuda_runtime", 300), 7),  # waits for the result
-             linked(event("cudaMemcpyAsync", "cuda_runtime", 20), 8),  # an upload: host work
-             event("cudaLaunchKernel", "cuda_runtime", 5)] * 2
+    copies = [
+        linked(event("Memcpy DtoH (Device -> Pageable)", "gpu_memcpy", 10), 7),
+        linked(event("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", 10), 8),
+    ]
+    waits = [
+        event("cudaStreamSynchronize", "cuda_runtime", 100),
+        linked(event("cudaMemcpyAsync", "cuda_runtime", 300), 7),  # waits for the result
+        linked(event("cudaMemcpyAsync", "cuda_runtime", 20), 8),  # an upload: host work
+        event("cudaLaunchKernel", "cuda_runtime", 5),
+    ] * 2
     summary = one_batch.summarize_trace({"traceEvents": steps + kernels + copies + waits})
     assert summary["steps"] == 2
     assert summary["wall_ms_per_step"] == 1.0
@@ -94,12 +119,28 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
         srv.stop()
 
 
-def test_serving_against_a_running_server(server: ServerProcess, tmp_path: Path,
-                                          capsys) -> None:
+def test_serving_against_a_running_server(server: ServerProcess, tmp_path: Path, capsys) -> None:
     out = tmp_path / "serving.json"
-    serving.main(["--base-url", server.url, "--num-prompts", "5", "3", "--max-concurrency",
-                  "1", "3", "--input-len", "12", "--range-ratio", "0.5", "--output-len", "6",
-                  "--output-file", str(out)])
+    serving.main(
+        [
+            "--base-url",
+            server.url,
+            "--num-prompts",
+            "5",
+            "3",
+            "--max-concurrency",
+            "1",
+            "3",
+            "--input-len",
+            "12",
+            "--range-ratio",
+            "0.5",
+            "--output-len",
+            "6",
+            "--output-file",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert [r["max_concurrency"] for r in result["runs"]] == [1, 3]
     for run, num in zip(result["runs"], [5, 3], strict=True):
@@ -132,8 +173,14 @@ def server_model(server: ServerProcess) -> Path:
 
 
 def test_serving_metrics_from_known_times() -> None:
-    r = RequestRecord(input_len=4, output_len=3, sent=10.0, token_times=[10.1, 10.3, 10.6],
-                      chunk_times=[10.1, 10.3, 10.6], done=10.6)
+    r = RequestRecord(
+        input_len=4,
+        output_len=3,
+        sent=10.0,
+        token_times=[10.1, 10.3, 10.6],
+        chunk_times=[10.1, 10.3, 10.6],
+        done=10.6,
+    )
     bad = RequestRecord(input_len=4, output_len=3, sent=10.0, done=10.2, error="HTTP 400: x")
     m = metrics([r, bad])
     assert m["completed"] == 1 and m["errors"] == 1 and m["error_samples"] == ["HTTP 400: x"]
@@ -162,20 +209,55 @@ def test_random_requests_lengths() -> None:
 
 def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys) -> None:
     out, png = tmp_path / "cold.json", tmp_path / "cold.png"
-    cold_start.main(["--model-path", str(tiny_llama), "--configs", "nographs",
-                     "--config", "full-small=--cuda-graph-backend-decode full "
-                                 "--cuda-graph-bs-decode 1 2 4",
-                     "--bursts", "1", "2", "--burst-output-len", "4", "--steady-concurrency", "1",
-                     "2", "--steady-rounds", "1", "--steady-output-len", "5", "--input-len",
-                     "8", "--cache-root", str(tmp_path / "caches"), "--output-file", str(out),
-                     "--plot", str(png), "--", "--device", "cpu"])
+    cold_start.main(
+        [
+            "--model-path",
+            str(tiny_llama),
+            "--configs",
+            "nographs",
+            "--config",
+            "full-small=--cuda-graph-backend-decode full --cuda-graph-bs-decode 1 2 4",
+            "--bursts",
+            "1",
+            "2",
+            "--burst-output-len",
+            "4",
+            "--steady-concurrency",
+            "1",
+            "2",
+            "--steady-rounds",
+            "1",
+            "--steady-output-len",
+            "5",
+            "--input-len",
+            "8",
+            "--cache-root",
+            str(tmp_path / "caches"),
+            "--output-file",
+            str(out),
+            "--plot",
+            str(png),
+            "--",
+            "--device",
+            "cpu",
+        ]
+    )
     result = json.loads(out.read_text())
     runs = result["runs"]
     assert [(r["config"], r["cache"]) for r in runs] == [
-        ("nographs", "cold"), ("nographs", "warm"), ("full-small", "cold"),
-        ("full-small", "warm")]
-    assert runs[2]["flags"][-6:] == ["--cuda-graph-backend-decode", "full",
-                                     "--cuda-graph-bs-decode", "1", "2", "4"]
+        ("nographs", "cold"),
+        ("nographs", "warm"),
+        ("full-small", "cold"),
+        ("full-small", "warm"),
+    ]
+    assert runs[2]["flags"][-6:] == [
+        "--cuda-graph-backend-decode",
+        "full",
+        "--cuda-graph-bs-decode",
+        "1",
+        "2",
+        "4",
+    ]
     for r in runs:
         assert "error" not in r, r.get("error")
         assert r["ready_s"] > 0 and r["errors"] == 0
@@ -183,8 +265,7 @@ def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys)
         assert r["requests"] == 1 + (1 + 1 + 2 + 2) + (1 + 2) + 1
         b = r["breakdown"]
         assert b["launch_to_ready_s"] == r["ready_s"]
-        assert all(v is None or v >= 0 for k, v in b.items()
-                   if k != "runner_other_setup_s"), b
+        assert all(v is None or v >= 0 for k, v in b.items() if k != "runner_other_setup_s"), b
         assert b["runner_ready_after_s"] <= b["launch_to_ready_s"]
         assert b["runner_kv_alloc_s"] >= 0  # timed by the runner itself
         assert 0 < r["ttft_first_ms"] < r["t2t_first_ms"]
@@ -192,8 +273,7 @@ def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys)
         assert [x["batch"] for x in r["buckets"]] == [1, 2]
         for x in r["buckets"]:
             assert x["t2t_first_ms"] > 0 and x["t2t_again_ms"] > 0 and x["steady_itl_ms"] > 0
-            assert x["excess_ms"] == pytest.approx(x["t2t_first_ms"] - x["t2t_again_ms"],
-                                                   abs=1e-3)
+            assert x["excess_ms"] == pytest.approx(x["t2t_first_ms"] - x["t2t_again_ms"], abs=1e-3)
             # captured on the CPU? no: there is nothing to capture, so no bucket records
             assert x["server_capture_ms"] is None
         assert set(r["steady"]) == {"1", "2"}
@@ -221,12 +301,32 @@ def test_cold_start_config_syntax() -> None:
 
 def test_hf_baseline_on_the_tiny_model(tiny_llama: Path, tmp_path: Path) -> None:
     results = tmp_path / "hf.jsonl"
-    hf_baseline.main(["--model-path", str(tiny_llama), "--device", "cpu", "--batch-size", "2",
-                      "--input-len", "6", "--output-len", "4", "--copy-mib", "16",
-                      "--result-file", str(results)])
+    hf_baseline.main(
+        [
+            "--model-path",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            "--batch-size",
+            "2",
+            "--input-len",
+            "6",
+            "--output-len",
+            "4",
+            "--copy-mib",
+            "16",
+            "--result-file",
+            str(results),
+        ]
+    )
     rows = {r["method"]: r for r in read_jsonl(results)}
-    assert set(rows) == {"bandwidth-floor", "hf-eager", "hf-generate-static",
-                         "hf-compile-reduce-overhead", "cublas-chain"}
+    assert set(rows) == {
+        "bandwidth-floor",
+        "hf-eager",
+        "hf-generate-static",
+        "hf-compile-reduce-overhead",
+        "cublas-chain",
+    }
     assert all(r["decode_ms_per_step"] > 0 and r["batch_size"] == 2 for r in rows.values())
     assert rows["hf-compile-reduce-overhead"]["compile_s"] > 0
     config = ModelConfig.from_path(tiny_llama)
@@ -236,9 +336,13 @@ def test_hf_baseline_on_the_tiny_model(tiny_llama: Path, tmp_path: Path) -> None
     assert rows["bandwidth-floor"]["weight_bytes"] == expected  # untied: no embedding table
     floor = rows["bandwidth-floor"]
     assert floor["decode_ms_per_step"] == pytest.approx(
-        expected / (floor["copy_bandwidth_gbs"] * 1e9) * 1000, rel=0.06)
-    matmuls = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                  if p is not embed and not name.endswith("norm.weight"))
+        expected / (floor["copy_bandwidth_gbs"] * 1e9) * 1000, rel=1e-3
+    )
+    matmuls = sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if p is not embed and not name.endswith("norm.weight")
+    )
     assert rows["cublas-chain"]["weight_bytes"] == matmuls  # the same matrices, norms aside
     assert rows["cublas-chain"]["cuda_graph"] is False
 
@@ -248,9 +352,16 @@ def test_hf_baseline_on_the_tiny_model(tiny_llama: Path, tmp_path: Path) -> None
 
 @pytest.fixture
 def small_shape(monkeypatch: pytest.MonkeyPatch) -> str:
-    shape = dict(model_shapes.MODEL_SHAPES["llama-3.2-1b"], hidden_size=64,
-                 intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=600)
+    shape = dict(
+        model_shapes.MODEL_SHAPES["llama-3.2-1b"],
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=600,
+    )
     monkeypatch.setitem(model_shapes.MODEL_SHAPES, "small-test", shape)
     return "small-test"
 
@@ -267,8 +378,9 @@ def test_model_shape_has_no_weights(small_shape: str, tmp_path: Path) -> None:
 def test_random_checkpoint_loads_everywhere(small_shape: str, tmp_path: Path) -> None:
     import transformers
 
-    path = make_random_checkpoint.make_random_checkpoint(tmp_path, small_shape,
-                                                         shard_bytes=40_000, device="cpu")
+    path = make_random_checkpoint.make_random_checkpoint(
+        tmp_path, small_shape, shard_bytes=40_000, device="cpu"
+    )
     index = json.loads((path / "model.safetensors.index.json").read_text())
     shards = sorted(path.glob("model-*.safetensors"))
     assert len(shards) > 1 and set(index["weight_map"].values()) == {s.name for s in shards}

@@ -70,8 +70,12 @@ def test_inductor_pieces_match_the_uncompiled_model(
 
 
 def test_a_warm_start_compiles_nothing(
-    tiny_llama: Path, cache_root: Path, cold: Engine, reference: list[list[int]],
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    tiny_llama: Path,
+    cache_root: Path,
+    cold: Engine,
+    reference: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     calls = count_inductor_compiles(monkeypatch)
     with caplog.at_level(logging.INFO, logger="srt.compilation"):
@@ -98,8 +102,12 @@ def warnings_about(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 
 
 def test_corrupted_artifacts_are_detected_and_recompiled(
-    tiny_llama: Path, cold: Engine, reference: list[list[int]], tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    tiny_llama: Path,
+    cold: Engine,
+    reference: list[list[int]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     root = copy_of_the_cache(cold, tmp_path)
     truncated, flipped, garbled = sorted(root.glob("*/pieces/inductor-*.bin"))
@@ -128,8 +136,12 @@ def test_corrupted_artifacts_are_detected_and_recompiled(
 
 
 def test_artifacts_swapped_between_pieces_are_rejected(
-    tiny_llama: Path, cold: Engine, reference: list[list[int]], tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    tiny_llama: Path,
+    cold: Engine,
+    reference: list[list[int]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     root = copy_of_the_cache(cold, tmp_path)
     first, second, _ = sorted(root.glob("*/pieces/inductor-*.bin"))
@@ -167,14 +179,20 @@ with tc_engine(Path(sys.argv[1]), Path(sys.argv[2]), "inductor") as eng:
 def warm_start_in_a_child(model: Path, root: Path) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-c", WARM_START, str(model), str(root)],
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parent.parent,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_damaged_inductor_output_is_rebuilt_not_loaded(
-    tiny_llama: Path, cold: Engine, reference: list[list[int]], tmp_path: Path,
+    tiny_llama: Path,
+    cold: Engine,
+    reference: list[list[int]],
+    tmp_path: Path,
 ) -> None:
     root = copy_of_the_cache(cold, tmp_path)
     inductor = next(root.glob("*/inductor"))
@@ -200,8 +218,11 @@ def test_every_file_and_directory_the_cache_writes_is_private(
         pass
     paths = [cache_root, *cache_root.rglob("*")]
     assert any(p.suffix == ".so" for p in paths) and any(p.name == "locks" for p in paths)
-    loose = [f"{stat.S_IMODE(p.lstat().st_mode):o} {p}" for p in paths
-             if stat.S_IMODE(p.lstat().st_mode) != (0o700 if p.is_dir() else 0o600)]
+    loose = [
+        f"{stat.S_IMODE(p.lstat().st_mode):o} {p}"
+        for p in paths
+        if stat.S_IMODE(p.lstat().st_mode) != (0o700 if p.is_dir() else 0o600)
+    ]
     assert loose == []
 
 
@@ -210,15 +231,24 @@ def test_cuda_pieces_with_graphs_match_eager_and_warm_start(
     tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def engine(**kwargs: Any) -> Engine:
-        return Engine(model_path=str(tiny_llama), device="cuda", dtype="float32",
-                      max_total_tokens=4096,
-                      cuda_graph_bs_prefill=[8, 16], cuda_graph_bs_decode=[1, 2, 4], **kwargs)
+        return Engine(
+            model_path=str(tiny_llama),
+            device="cuda",
+            dtype="float32",
+            max_total_tokens=4096,
+            cuda_graph_bs_prefill=[8, 16],
+            cuda_graph_bs_decode=[1, 2, 4],
+            **kwargs,
+        )
 
     with engine(disable_cuda_graph=True) as eager:
         expected = greedy_ids(eager)
-    tc = {"cuda_graph_backend_prefill": "tc_piecewise", "cuda_graph_backend_decode":
-          "tc_piecewise", "cuda_graph_tc_compiler": "inductor",
-          "compile_cache_dir": str(tmp_path)}
+    tc = {
+        "cuda_graph_backend_prefill": "tc_piecewise",
+        "cuda_graph_backend_decode": "tc_piecewise",
+        "cuda_graph_tc_compiler": "inductor",
+        "compile_cache_dir": str(tmp_path),
+    }
     with engine(**tc) as cold:
         assert greedy_ids(cold) == expected
         assert greedy_ids(cold) == expected  # replays the captured pieces

@@ -58,13 +58,17 @@ def _one_row_too_many(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0] + 1, x.shape[1])
 
 
-@pytest.mark.parametrize(("fake", "complaint"), [
-    (_transposed_like, "Stride mismatch"),
-    (_one_row_too_many, "Shapes .* are not equal"),
-])
+@pytest.mark.parametrize(
+    ("fake", "complaint"),
+    [
+        (_transposed_like, "Stride mismatch"),
+        (_one_row_too_many, "Shapes .* are not equal"),
+    ],
+)
 def test_opcheck_rejects_a_wrong_fake(fake: Callable, complaint: str) -> None:
-    @register_custom_op(fake.__name__.strip("_"), mutates_args=(), fake_impl=fake,
-                        namespace="srt_test")
+    @register_custom_op(
+        fake.__name__.strip("_"), mutates_args=(), fake_impl=fake, namespace="srt_test"
+    )
     def copy(x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 

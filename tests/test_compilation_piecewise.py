@@ -105,9 +105,16 @@ def test_dumped_graph_names_every_piece(three_layers: Engine) -> None:
 def test_no_tc_phase_still_reports_the_split_ops(tiny_llama: Path) -> None:
     with Engine(model_path=str(tiny_llama), device="cpu") as eng:
         info = eng.get_server_info()["compile"]
-    assert info == {"split_ops": ["srt::attention"], "num_pieces": 0, "num_split_regions": 0,
-                    "dynamo_s": 0.0, "compile_s": 0.0, "total_s": 0.0, "cache_dir": None,
-                    "cache_hit": None}
+    assert info == {
+        "split_ops": ["srt::attention"],
+        "num_pieces": 0,
+        "num_split_regions": 0,
+        "dynamo_s": 0.0,
+        "compile_s": 0.0,
+        "total_s": 0.0,
+        "cache_dir": None,
+        "cache_hit": None,
+    }
 
 
 # ---- traced once; parity ---------------------------------------------------------------------
@@ -155,8 +162,10 @@ def test_bucket_states_and_the_manifest(tiny_llama: Path, tmp_path: Path) -> Non
 def test_upfront_specialises_every_bucket_before_serving(tiny_llama: Path, tmp_path: Path) -> None:
     with tc_engine(tiny_llama, tmp_path, "eager", cuda_graph_capture="upfront") as eng:
         graphs = eng.get_server_info()["graphs"]
-        for phase, ladder in (("prefill", "cuda_graph_bs_prefill"),
-                              ("decode", "cuda_graph_bs_decode")):
+        for phase, ladder in (
+            ("prefill", "cuda_graph_bs_prefill"),
+            ("decode", "cuda_graph_bs_decode"),
+        ):
             states = {b["bucket"]: b["state"] for b in graphs[phase]["buckets"]}
             assert states == dict.fromkeys(LADDERS[ladder], "specialised")
         # Prewarming is not traffic: the manifest stays empty.
@@ -197,8 +206,9 @@ def test_cache_key_follows_the_source(tmp_path: Path) -> None:
     model_file.write_text("class Model: ...\n")
 
     def key(root: Path) -> str:
-        return collect_factors({"dtype": "float32"}, torch.device("cpu"), root / "model.py",
-                               source_roots=[root]).key()
+        return collect_factors(
+            {"dtype": "float32"}, torch.device("cpu"), root / "model.py", source_roots=[root]
+        ).key()
 
     before = key(source)
     assert key(source) == before

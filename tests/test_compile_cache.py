@@ -137,12 +137,17 @@ def test_artifacts_swapped_between_pieces_are_rejected(
     assert len([w for w in rejections(caplog) if "written for name" in w]) == 2
 
 
-@pytest.mark.parametrize(("damage", "reason"), [
-    (lambda data: data[:-3], "size mismatch"),
-    (lambda data: data[:-3] + bytes(b ^ 0xFF for b in data[-3:]), "checksum mismatch"),
-])
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda data: data[:-3], "size mismatch"),
+        (lambda data: data[:-3] + bytes(b ^ 0xFF for b in data[-3:]), "checksum mismatch"),
+    ],
+)
 def test_a_damaged_artifact_is_rejected(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: Callable[[bytes], bytes],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    damage: Callable[[bytes], bytes],
     reason: str,
 ) -> None:
     cache = CompileCache(tmp_path, factors())
@@ -287,10 +292,12 @@ def test_every_path_of_an_entry_is_private(tmp_path: Path) -> None:
         (sub / "cab.so").chmod(0o755)
     paths = [cache.root, *cache.root.rglob("*")]
     modes = {p.relative_to(cache.root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in paths}
-    assert {p: m for p, m in modes.items()
-            if m != (0o700 if (cache.root / p).is_dir() else 0o600)} == {}
+    assert {
+        p: m for p, m in modes.items() if m != (0o700 if (cache.root / p).is_dir() else 0o600)
+    } == {}
     assert {"entry.lock", "manifest.json.lock", "inductor-files.json", "factors.json"} <= {
-        Path(p).name for p in modes}
+        Path(p).name for p in modes
+    }
 
 
 def test_a_cache_root_with_a_loose_mode_gets_a_warning(

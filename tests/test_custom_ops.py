@@ -92,9 +92,9 @@ def reference_attention(case: Case) -> torch.Tensor:
         k = keys.double().repeat_interleave(group, dim=1)  # [S, H, D]
         v = values.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("ehd,shd->hes", q[start : start + extend], k) * SCALING
-        visible = torch.arange(prefix + extend)[None, :] <= torch.arange(prefix, prefix + extend)[
-            :, None
-        ]
+        visible = (
+            torch.arange(prefix + extend)[None, :] <= torch.arange(prefix, prefix + extend)[:, None]
+        )
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         outs.append(torch.einsum("hes,shd->ehd", scores.softmax(-1), v))
         start += extend
@@ -116,8 +116,9 @@ def test_torch_native_mixed_batch_matches_dense_reference(device: str) -> None:
     with forward_context(case.batch):
         attention_op(case.q, case.k, case.v, out, case.k_cache, case.v_cache, SCALING)
     num_tokens = case.batch.num_tokens
-    torch.testing.assert_close(out[:num_tokens].double(), reference_attention(case),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out[:num_tokens].double(), reference_attention(case), atol=1e-5, rtol=1e-5
+    )
     assert torch.equal(out[num_tokens:], torch.zeros_like(out[num_tokens:]))  # padded tail
     # The step's K went to its slots; the padded tokens only touched the dummy slot 0.
     locs = case.batch.out_cache_loc[:num_tokens]
@@ -139,8 +140,9 @@ def test_opcheck_attention(device: str) -> None:
 def test_attention_outside_a_forward_context_is_an_error() -> None:
     case = make_case("cpu")
     with pytest.raises(RuntimeError, match="outside a forward_context"):
-        attention_op(case.q, case.k, case.v, torch.empty_like(case.q), case.k_cache,
-                     case.v_cache, SCALING)
+        attention_op(
+            case.q, case.k, case.v, torch.empty_like(case.q), case.k_cache, case.v_cache, SCALING
+        )
 
 
 def test_unknown_attention_backend() -> None:

@@ -53,20 +53,24 @@ def test_special_tokens_skipped_or_kept(tokenizer: Any) -> None:
     assert "".join(stream(kept, ids)) == "<|begin_of_text|>Hello there<|end_of_text|>"
 
 
-@pytest.mark.parametrize(("stop", "expected"), [
-    (["before"], "The lighthouse keeper woke "),
-    (["zzz", "keeper w"], "The lighthouse "),
-    (["ke"], "The lighthouse "),
-    (["日本"], "The lighthouse keeper woke before the gulls, héllo "),
-    (["gulls, hé"], "The lighthouse keeper woke before the "),
-    (["s, h"], "The lighthouse keeper woke before the gull"),
-])
+@pytest.mark.parametrize(
+    ("stop", "expected"),
+    [
+        (["before"], "The lighthouse keeper woke "),
+        (["zzz", "keeper w"], "The lighthouse "),
+        (["ke"], "The lighthouse "),
+        (["日本"], "The lighthouse keeper woke before the gulls, héllo "),
+        (["gulls, hé"], "The lighthouse keeper woke before the "),
+        (["s, h"], "The lighthouse keeper woke before the gull"),
+    ],
+)
 @pytest.mark.parametrize("chunk", [1, 2])
 def test_stop_string_is_never_emitted(
     tokenizer: Any, stop: list[str], expected: str, chunk: int
 ) -> None:
-    ids = tokenizer.encode("The lighthouse keeper woke before the gulls, héllo 日本語 🙂",
-                           add_special_tokens=False)
+    ids = tokenizer.encode(
+        "The lighthouse keeper woke before the gulls, héllo 日本語 🙂", add_special_tokens=False
+    )
     detok = IncrementalDetokenizer(tokenizer, stop=stop)
     emitted = ""
     for delta in stream(detok, ids, chunk):
@@ -111,31 +115,41 @@ def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
 def test_stop_matcher_finds_what_a_scan_finds() -> None:
     rng = random.Random(0)
     for _ in range(500):
-        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 5)))
-                 for _ in range(rng.randrange(1, 4))]
+        stops = [
+            "".join(rng.choice("ab") for _ in range(rng.randrange(1, 5)))
+            for _ in range(rng.randrange(1, 4))
+        ]
         text = "".join(rng.choice("abc") for _ in range(rng.randrange(0, 20)))
         matcher, fed, hit = StopStringMatcher(stops), 0, None
         while fed < len(text) and hit is None:  # fed in random pieces, as tokens arrive
-            piece = text[fed:fed + rng.randrange(1, 4)]
+            piece = text[fed : fed + rng.randrange(1, 4)]
             found = matcher.feed(piece)
             hit = (fed + found[0], found[1]) if found else None
             fed += len(piece)
         assert hit == first_stop(text, stops), (text, stops)
         if hit is None:  # what may still begin a stop string: the longest such tail
             assert matcher.pending == max(
-                (n for n in range(len(text) + 1) for s in stops
-                 if n < len(s) and text.endswith(s[:n])), default=0)
+                (
+                    n
+                    for n in range(len(text) + 1)
+                    for s in stops
+                    if n < len(s) and text.endswith(s[:n])
+                ),
+                default=0,
+            )
 
 
-def test_stop_check_reads_each_character_once(tokenizer: Any, monkeypatch: pytest.MonkeyPatch
-                                              ) -> None:
+def test_stop_check_reads_each_character_once(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The stop check is linear: however many stop strings (64 of 1 KB here, each a near
     miss of the text), each character of the output is fed to the matcher once, rather than
     the whole text searched for every stop string at every token."""
     fed: list[int] = []
     feed = StopStringMatcher.feed
-    monkeypatch.setattr(StopStringMatcher, "feed",
-                        lambda self, text: fed.append(len(text)) or feed(self, text))
+    monkeypatch.setattr(
+        StopStringMatcher, "feed", lambda self, text: fed.append(len(text)) or feed(self, text)
+    )
     ids = tokenizer.encode(UNICODE_TEXT * 4, add_special_tokens=False)
     stops = [UNICODE_TEXT[:5] * 200 + str(i) for i in range(64)]
     detok = IncrementalDetokenizer(tokenizer, stop=stops)

@@ -41,8 +41,9 @@ def alone(engine: Engine) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def full(engine: Engine) -> dict[str, Any]:
     """32 greedy tokens of one prompt, ignoring eos: the run the stop tests cut short."""
-    return engine.generate(prompt="The lighthouse keeper",
-                           sampling_params={**GREEDY, "max_new_tokens": 32})
+    return engine.generate(
+        prompt="The lighthouse keeper", sampling_params={**GREEDY, "max_new_tokens": 32}
+    )
 
 
 def ids_of(results: list[dict[str, Any]]) -> dict[str, list[int]]:
@@ -60,8 +61,9 @@ def test_batch_equals_alone(engine: Engine, alone: dict[str, list[int]]) -> None
         meta = result["meta_info"]
         assert meta["prompt_tokens"] == len(engine.tokenizer.encode(prompt))
         assert meta["completion_tokens"] == 16 and meta["finish_reason"] == "length"
-        assert result["text"] == engine.tokenizer.decode(result["output_ids"],
-                                                         skip_special_tokens=True)
+        assert result["text"] == engine.tokenizer.decode(
+            result["output_ids"], skip_special_tokens=True
+        )
 
 
 def test_chunked_prefill_equals_unchunked(tiny_llama: Path, alone: dict[str, list[int]]) -> None:
@@ -113,8 +115,10 @@ def test_stop_string(engine: Engine, full: dict[str, Any]) -> None:
     match = re.search(r"[A-Za-z]{2}", full["text"][4:])
     assert match is not None, full["text"]
     stop = match.group()
-    out = engine.generate(prompt="The lighthouse keeper",
-                          sampling_params={**GREEDY, "max_new_tokens": 32, "stop": ["@@@", stop]})
+    out = engine.generate(
+        prompt="The lighthouse keeper",
+        sampling_params={**GREEDY, "max_new_tokens": 32, "stop": ["@@@", stop]},
+    )
     assert out["text"] == full["text"][: full["text"].index(stop)]
     assert out["meta_info"]["finish_reason"] == "stop"
     assert out["meta_info"]["matched_stop"] == stop
@@ -127,16 +131,18 @@ def test_stop_string(engine: Engine, full: dict[str, Any]) -> None:
 def test_stop_token_ids(engine: Engine, full: dict[str, Any]) -> None:
     token = full["output_ids"][10]
     at = full["output_ids"].index(token)
-    out = engine.generate(prompt="The lighthouse keeper",
-                          sampling_params={**GREEDY, "max_new_tokens": 32,
-                                           "stop_token_ids": [token]})
+    out = engine.generate(
+        prompt="The lighthouse keeper",
+        sampling_params={**GREEDY, "max_new_tokens": 32, "stop_token_ids": [token]},
+    )
     assert out["output_ids"] == full["output_ids"][: at + 1]
     assert (out["meta_info"]["finish_reason"], out["meta_info"]["matched_stop"]) == ("stop", token)
 
 
 @pytest.fixture(scope="module")
-def eos_engine(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory,
-               full: dict[str, Any]) -> Iterator[Engine]:
+def eos_engine(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, full: dict[str, Any]
+) -> Iterator[Engine]:
     """The tiny llama whose generation_config.json adds the 6th greedy token as an eos."""
     path = Path(shutil.copytree(tiny_llama, tmp_path_factory.mktemp("eos") / "model"))
     gen_file = path / "generation_config.json"
@@ -154,20 +160,23 @@ def test_eos_and_ignore_eos(eos_engine: Engine, full: dict[str, Any]) -> None:
     out = eos_engine.generate(prompt="The lighthouse keeper", sampling_params=params)
     assert out["output_ids"] == full["output_ids"][: at + 1]
     assert (out["meta_info"]["finish_reason"], out["meta_info"]["matched_stop"]) == ("stop", eos)
-    out = eos_engine.generate(prompt="The lighthouse keeper",
-                              sampling_params={**params, "ignore_eos": True})
+    out = eos_engine.generate(
+        prompt="The lighthouse keeper", sampling_params={**params, "ignore_eos": True}
+    )
     assert out["output_ids"] == full["output_ids"]
     assert out["meta_info"]["finish_reason"] == "length"
 
 
 def test_max_new_tokens_zero_and_one(engine: Engine, full: dict[str, Any]) -> None:
-    zero = engine.generate(prompt="The lighthouse keeper",
-                           sampling_params={**GREEDY, "max_new_tokens": 0})
+    zero = engine.generate(
+        prompt="The lighthouse keeper", sampling_params={**GREEDY, "max_new_tokens": 0}
+    )
     assert (zero["text"], zero["output_ids"]) == ("", [])
     assert zero["meta_info"]["finish_reason"] == "length"
     assert zero["meta_info"]["completion_tokens"] == 0
-    one = engine.generate(prompt="The lighthouse keeper",
-                          sampling_params={**GREEDY, "max_new_tokens": 1})
+    one = engine.generate(
+        prompt="The lighthouse keeper", sampling_params={**GREEDY, "max_new_tokens": 1}
+    )
     assert one["output_ids"] == full["output_ids"][:1]
     assert one["meta_info"]["finish_reason"] == "length"
 
@@ -179,8 +188,10 @@ def test_context_length_clamps_and_rejects(tiny_llama: Path, full: dict[str, Any
         # must fit, as on the HTTP API (one front end, one rule).
         unset = {k: v for k, v in GREEDY.items() if k != "max_new_tokens"}
         out = eng.generate(input_ids=ids, sampling_params=unset)
-        with pytest.raises(ValueError, match="the context length is 24 tokens, but the request "
-                                             f"asks for {len(ids) + 100}"):
+        with pytest.raises(
+            ValueError,
+            match=f"the context length is 24 tokens, but the request asks for {len(ids) + 100}",
+        ):
             eng.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 100})
         assert out["meta_info"]["completion_tokens"] == 24 - len(ids)
         assert out["output_ids"] == full["output_ids"][: 24 - len(ids)]
@@ -208,14 +219,16 @@ def test_single_prompt_gives_a_dict_a_list_gives_a_list(engine: Engine) -> None:
 
 
 def test_logprobs_in_meta_info(engine: Engine) -> None:
-    out = engine.generate(prompt="The lighthouse keeper",
-                          sampling_params={**GREEDY, "max_new_tokens": 5, "logprobs": True,
-                                           "top_logprobs_num": 3})
+    out = engine.generate(
+        prompt="The lighthouse keeper",
+        sampling_params={**GREEDY, "max_new_tokens": 5, "logprobs": True, "top_logprobs_num": 3},
+    )
     meta = out["meta_info"]
     assert [t for _, t in meta["output_token_logprobs"]] == out["output_ids"]
     assert len(meta["output_top_logprobs"]) == 5
-    for (logprob, token), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"],
-                                     strict=True):
+    for (logprob, token), top in zip(
+        meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True
+    ):
         assert len(top) == 3 and logprob <= 0
         assert top[0] == pytest.approx((logprob, token))  # greedy picks the most likely
         assert [v for v, _ in top] == sorted((v for v, _ in top), reverse=True)
@@ -236,49 +249,55 @@ def test_engine_kwargs_are_server_args(tiny_llama: Path) -> None:
         assert info["model"]["architecture"] == "LlamaForCausalLM"
 
 
-@pytest.mark.parametrize(("params", "message"), [
-    ({"temperature": -1}, "temperature must be >= 0, got -1"),
-    ({"top_p": 0}, "top_p must be in \\(0, 1\\], got 0"),
-    ({"top_k": 0}, "top_k must be -1 or in \\[1, 512\\] \\(the vocabulary\\), got 0"),
-    ({"top_k": 2**63}, "top_k must be -1 or in \\[1, 512\\]"),
-    ({"top_k": 513}, "top_k must be -1 or in \\[1, 512\\]"),
-    ({"temperature": float("inf")}, "temperature must be >= 0, got inf"),
-    ({"ignore_eos": "false"}, "ignore_eos must be a boolean, got 'false'"),
-    ({"skip_special_tokens": 0}, "skip_special_tokens must be a boolean, got 0"),
-    ({"logprobs": "yes"}, "logprobs must be a boolean, got 'yes'"),
-    ({"stop": ["x"] * 65}, "stop takes at most 64 strings, got 65"),
-    ({"stop": ["x" * 1025]}, "stop strings must be at most 1024 characters"),
-    ({"stop": ["\ud800"]}, "stop must be valid Unicode"),
-    ({"min_p": 1.0}, "min_p must be in \\[0, 1\\), got 1.0"),
-    ({"max_new_tokens": -1}, "max_new_tokens must be a non-negative integer, got -1"),
-    ({"max_new_tokens": 2.5}, "max_new_tokens must be a non-negative integer, got 2.5"),
-    ({"stop": [""]}, "stop must be a non-empty string or a list of them"),
-    ({"stop_token_ids": ["a"]}, "stop_token_ids must be a list of token ids in \\[0, 512\\)"),
-    ({"stop_token_ids": [2**64]}, "stop_token_ids must be a list of token ids"),
-    ({"seed": "x"}, "seed must be a 64-bit integer, got 'x'"),
-    ({"seed": 2**64}, "seed must be a 64-bit integer"),
-    ({"top_logprobs_num": 2}, "top_logprobs_num needs logprobs: true"),
-    ({"logprobs": True, "top_logprobs_num": 21}, "top_logprobs_num must be in \\[0, 20\\]"),
-    ({"temprature": 0.5}, "unknown sampling parameter\\(s\\): temprature"),
-])
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"temperature": -1}, "temperature must be >= 0, got -1"),
+        ({"top_p": 0}, "top_p must be in \\(0, 1\\], got 0"),
+        ({"top_k": 0}, "top_k must be -1 or in \\[1, 512\\] \\(the vocabulary\\), got 0"),
+        ({"top_k": 2**63}, "top_k must be -1 or in \\[1, 512\\]"),
+        ({"top_k": 513}, "top_k must be -1 or in \\[1, 512\\]"),
+        ({"temperature": float("inf")}, "temperature must be >= 0, got inf"),
+        ({"ignore_eos": "false"}, "ignore_eos must be a boolean, got 'false'"),
+        ({"skip_special_tokens": 0}, "skip_special_tokens must be a boolean, got 0"),
+        ({"logprobs": "yes"}, "logprobs must be a boolean, got 'yes'"),
+        ({"stop": ["x"] * 65}, "stop takes at most 64 strings, got 65"),
+        ({"stop": ["x" * 1025]}, "stop strings must be at most 1024 characters"),
+        ({"stop": ["\ud800"]}, "stop must be valid Unicode"),
+        ({"min_p": 1.0}, "min_p must be in \\[0, 1\\), got 1.0"),
+        ({"max_new_tokens": -1}, "max_new_tokens must be a non-negative integer, got -1"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be a non-negative integer, got 2.5"),
+        ({"stop": [""]}, "stop must be a non-empty string or a list of them"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids must be a list of token ids in \\[0, 512\\)"),
+        ({"stop_token_ids": [2**64]}, "stop_token_ids must be a list of token ids"),
+        ({"seed": "x"}, "seed must be a 64-bit integer, got 'x'"),
+        ({"seed": 2**64}, "seed must be a 64-bit integer"),
+        ({"top_logprobs_num": 2}, "top_logprobs_num needs logprobs: true"),
+        ({"logprobs": True, "top_logprobs_num": 21}, "top_logprobs_num must be in \\[0, 20\\]"),
+        ({"temprature": 0.5}, "unknown sampling parameter\\(s\\): temprature"),
+    ],
+)
 def test_invalid_sampling_params(engine: Engine, params: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         engine.generate(prompt="x", sampling_params=params)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"input_ids": []}, "the prompt is empty"),
-    ({"input_ids": [1, -1]}, "invalid token id -1: ids must be in \\[0, 512\\)"),
-    ({"input_ids": [[1], [512]]}, "invalid token id 512"),
-    ({"input_ids": [[1, 2], 3]}, "input_ids mixes token ids and lists of token ids"),
-    ({"input_ids": "1 2 3"}, "input_ids must be a list of token ids"),
-    ({"prompt": [1, 2]}, "prompt must be a string or a list of strings"),
-    ({"prompt": "ok \ud800"}, "the prompt is not valid Unicode"),
-    ({"prompt": "x" * 10**7}, "the prompt has 10000000 characters; at most"),
-    ({}, "give exactly one of prompt and input_ids"),
-    ({"prompt": "x", "input_ids": [1]}, "give exactly one of prompt and input_ids"),
-    ({"prompt": ["x", "y"], "sampling_params": [{}]}, "sampling_params list must match"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"input_ids": []}, "the prompt is empty"),
+        ({"input_ids": [1, -1]}, "invalid token id -1: ids must be in \\[0, 512\\)"),
+        ({"input_ids": [[1], [512]]}, "invalid token id 512"),
+        ({"input_ids": [[1, 2], 3]}, "input_ids mixes token ids and lists of token ids"),
+        ({"input_ids": "1 2 3"}, "input_ids must be a list of token ids"),
+        ({"prompt": [1, 2]}, "prompt must be a string or a list of strings"),
+        ({"prompt": "ok \ud800"}, "the prompt is not valid Unicode"),
+        ({"prompt": "x" * 10**7}, "the prompt has 10000000 characters; at most"),
+        ({}, "give exactly one of prompt and input_ids"),
+        ({"prompt": "x", "input_ids": [1]}, "give exactly one of prompt and input_ids"),
+        ({"prompt": ["x", "y"], "sampling_params": [{}]}, "sampling_params list must match"),
+    ],
+)
 def test_bad_input(engine: Engine, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         engine.generate(**kwargs)

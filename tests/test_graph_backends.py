@@ -60,9 +60,12 @@ def test_flags_win_over_defaults_and_json_over_flags() -> None:
     assert by_flags[Phase.DECODE].backend is Backend.BREAKABLE
     assert by_flags[Phase.DECODE].bs == [1, 3]
     both = resolve(
-        "cuda", cuda_graph_backend_decode="breakable", cuda_graph_bs_decode=[1, 3],
-        cuda_graph_config=json.dumps({"decode": {"backend": "tc_piecewise", "bs": [2, 4]},
-                                      "prefill": {"max_bs": 64}}),
+        "cuda",
+        cuda_graph_backend_decode="breakable",
+        cuda_graph_bs_decode=[1, 3],
+        cuda_graph_config=json.dumps(
+            {"decode": {"backend": "tc_piecewise", "bs": [2, 4]}, "prefill": {"max_bs": 64}}
+        ),
     )
     decode, prefill = both[Phase.DECODE], both[Phase.PREFILL]
     assert (decode.backend, decode.bs) == (Backend.TC_PIECEWISE, [2, 4])
@@ -75,28 +78,45 @@ def test_disable_cuda_graph_turns_every_phase_off() -> None:
     assert {c.backend for c in configs.values()} == {Backend.DISABLED}
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"cuda_graph_backend_decode": "fast"},
-     "--cuda-graph-backend-decode: unknown backend 'fast'"),
-    ({"cuda_graph_config": '{"prefill": {"backend": "fast"}}'},
-     "--cuda-graph-config prefill.backend: unknown backend 'fast'"),
-    ({"cuda_graph_bs_prefill": []}, "--cuda-graph-bs-prefill: the bucket list is empty"),
-    ({"cuda_graph_bs_decode": [1, 4, 4]},
-     "--cuda-graph-bs-decode: buckets must be strictly increasing"),
-    ({"cuda_graph_config": '{"decode": {"bs": [8, 2]}}'},
-     "--cuda-graph-config decode.bs: buckets must be strictly increasing"),
-    ({"cuda_graph_bs_decode": [0, 2]}, "--cuda-graph-bs-decode: buckets must be positive"),
-    ({"cuda_graph_config": '{"decode": {"backend": "full", "tc_compiler": "eager"}}'},
-     "--cuda-graph-config decode.tc_compiler: a tc compiler needs backend tc_piecewise"),
-    ({"cuda_graph_backend_prefill": "tc_piecewise", "cuda_graph_tc_compiler": "gcc"},
-     "--cuda-graph-tc-compiler: unknown compiler 'gcc'"),
-    ({"cuda_graph_config": "{"}, "--cuda-graph-config: invalid JSON"),
-    ({"cuda_graph_config": '{"middle": {}}'}, "--cuda-graph-config: expected an object"),
-    ({"cuda_graph_config": '{"decode": {"bss": [1]}}'}, "--cuda-graph-config: unknown key"),
-    ({"cuda_graph_max_bs_decode": 0}, "--cuda-graph-max-bs-decode: must be a positive integer"),
-    ({"cuda_graph_bs_decode": [4, 8], "cuda_graph_max_bs_decode": 2},
-     "--cuda-graph-max-bs-decode: 2 is below the smallest bucket"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"cuda_graph_backend_decode": "fast"},
+            "--cuda-graph-backend-decode: unknown backend 'fast'",
+        ),
+        (
+            {"cuda_graph_config": '{"prefill": {"backend": "fast"}}'},
+            "--cuda-graph-config prefill.backend: unknown backend 'fast'",
+        ),
+        ({"cuda_graph_bs_prefill": []}, "--cuda-graph-bs-prefill: the bucket list is empty"),
+        (
+            {"cuda_graph_bs_decode": [1, 4, 4]},
+            "--cuda-graph-bs-decode: buckets must be strictly increasing",
+        ),
+        (
+            {"cuda_graph_config": '{"decode": {"bs": [8, 2]}}'},
+            "--cuda-graph-config decode.bs: buckets must be strictly increasing",
+        ),
+        ({"cuda_graph_bs_decode": [0, 2]}, "--cuda-graph-bs-decode: buckets must be positive"),
+        (
+            {"cuda_graph_config": '{"decode": {"backend": "full", "tc_compiler": "eager"}}'},
+            "--cuda-graph-config decode.tc_compiler: a tc compiler needs backend tc_piecewise",
+        ),
+        (
+            {"cuda_graph_backend_prefill": "tc_piecewise", "cuda_graph_tc_compiler": "gcc"},
+            "--cuda-graph-tc-compiler: unknown compiler 'gcc'",
+        ),
+        ({"cuda_graph_config": "{"}, "--cuda-graph-config: invalid JSON"),
+        ({"cuda_graph_config": '{"middle": {}}'}, "--cuda-graph-config: expected an object"),
+        ({"cuda_graph_config": '{"decode": {"bss": [1]}}'}, "--cuda-graph-config: unknown key"),
+        ({"cuda_graph_max_bs_decode": 0}, "--cuda-graph-max-bs-decode: must be a positive integer"),
+        (
+            {"cuda_graph_bs_decode": [4, 8], "cuda_graph_max_bs_decode": 2},
+            "--cuda-graph-max-bs-decode: 2 is below the smallest bucket",
+        ),
+    ],
+)
 def test_invalid_settings_name_the_flag(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(GraphConfigError) as err:
         resolve("cuda", **kwargs)
@@ -104,14 +124,16 @@ def test_invalid_settings_name_the_flag(kwargs: dict[str, Any], message: str) ->
 
 
 @pytest.mark.parametrize("compiler", ["inductor", "gcc"])
-def test_a_tc_compiler_no_phase_uses_is_a_warning(compiler: str,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_a_tc_compiler_no_phase_uses_is_a_warning(
+    compiler: str, caplog: pytest.LogCaptureFixture
+) -> None:
     # As SGLang does: ignored, not refused (whatever its value, since nothing compiles).
     with caplog.at_level(logging.WARNING, logger="srt.model_executor.graph_config"):
         configs = resolve("cuda", cuda_graph_tc_compiler=compiler)
     assert all(c.tc_compiler is None for c in configs.values())
-    assert f"--cuda-graph-tc-compiler {compiler} is ignored: no phase uses tc_piecewise" \
-        in caplog.text
+    assert (
+        f"--cuda-graph-tc-compiler {compiler} is ignored: no phase uses tc_piecewise" in caplog.text
+    )
 
 
 def test_engine_rejects_a_bad_flag(tiny_llama: Path) -> None:
@@ -122,8 +144,17 @@ def test_engine_rejects_a_bad_flag(tiny_llama: Path) -> None:
 def test_default_ladders_match_the_design() -> None:
     assert default_decode_ladder() == [1, 2, 4, 8, 12, *range(16, 257, 8)]
     assert default_prefill_ladder() == [
-        4, 8, 12, 16, 20, 24, 28, 32,
-        *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
+        4,
+        8,
+        12,
+        16,
+        20,
+        24,
+        28,
+        32,
+        *range(48, 257, 16),
+        *range(288, 513, 32),
+        *range(576, 1025, 64),
         *range(1280, 4097, 256),
     ]
     assert default_decode_ladder()[-3:] == [240, 248, 256]
@@ -146,10 +177,15 @@ def test_ladders_are_clamped_to_max_bs() -> None:
 def live_batch(mode: ForwardMode, extend: list[int], prefix: list[int]) -> ForwardBatch:
     n = sum(extend)
     return forward_batch_from_host(
-        mode, input_ids=np.arange(100, 100 + n), positions=np.arange(n) + 1,
-        out_cache_loc=np.arange(50, 50 + n), req_pool_indices=np.arange(3, 3 + len(extend)),
-        prefix_lens=np.array(prefix), extend_lens=np.array(extend),
-        req_to_token=torch.zeros(8, 64, dtype=torch.int32), attn_backend=None,
+        mode,
+        input_ids=np.arange(100, 100 + n),
+        positions=np.arange(n) + 1,
+        out_cache_loc=np.arange(50, 50 + n),
+        req_pool_indices=np.arange(3, 3 + len(extend)),
+        prefix_lens=np.array(prefix),
+        extend_lens=np.array(extend),
+        req_to_token=torch.zeros(8, 64, dtype=torch.int32),
+        attn_backend=None,
     )
 
 
@@ -212,8 +248,13 @@ def reference(tiny_llama: Path) -> list[list[int]]:
 
 
 def make_engine(path: Path, tmp_path: Path, **kwargs: Any) -> Engine:
-    return Engine(model_path=str(path), device="cpu", compile_cache_dir=str(tmp_path / "cache"),
-                  **SMALL_LADDERS, **kwargs)
+    return Engine(
+        model_path=str(path),
+        device="cpu",
+        compile_cache_dir=str(tmp_path / "cache"),
+        **SMALL_LADDERS,
+        **kwargs,
+    )
 
 
 def generate(eng: Engine) -> list[list[int]]:
@@ -228,19 +269,29 @@ def states(eng: Engine, phase: str) -> dict[int, tuple[str, int]]:
     return {b["bucket"]: (b["state"], b["replays"]) for b in phase_info(eng, phase)["buckets"]}
 
 
-@pytest.mark.parametrize(("decode", "prefill"), [
-    ("full", "full"), ("breakable", "breakable"), ("full", "breakable"), ("breakable", "full"),
-])
+@pytest.mark.parametrize(
+    ("decode", "prefill"),
+    [
+        ("full", "full"),
+        ("breakable", "breakable"),
+        ("full", "breakable"),
+        ("breakable", "full"),
+    ],
+)
 def test_padded_graphs_give_the_eager_ids(
-    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer, reference: list[list[int]],
-    decode: str, prefill: str,
+    tiny_llama: Path,
+    tmp_path: Path,
+    capturer: EmulatedCapturer,
+    reference: list[list[int]],
+    decode: str,
+    prefill: str,
 ) -> None:
-    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode=decode,
-                     cuda_graph_backend_prefill=prefill) as eng:
+    with make_engine(
+        tiny_llama, tmp_path, cuda_graph_backend_decode=decode, cuda_graph_backend_prefill=prefill
+    ) as eng:
         assert generate(eng) == reference
         # Decode: 3 requests (padded to 4) for 2 steps, 2 for 2 steps, 1 for 3 steps.
-        assert states(eng, "decode") == {4: ("captured", 2), 2: ("captured", 2),
-                                         1: ("captured", 3)}
+        assert states(eng, "decode") == {4: ("captured", 2), 2: ("captured", 2), 1: ("captured", 3)}
         assert states(eng, "prefill") == {8: ("unseen", 0), 16: ("captured", 1)}
         assert capturer.sessions == 4  # each bucket captured exactly once
         assert capturer.warmups == 4
@@ -250,12 +301,14 @@ def test_padded_graphs_give_the_eager_ids(
         # A second round replays (the prefix cache shortens the prefill to 3 tokens: bucket 8).
         assert generate(eng) == reference
         assert capturer.sessions == 5
-        assert states(eng, "decode") == {4: ("captured", 4), 2: ("captured", 4),
-                                         1: ("captured", 6)}
+        assert states(eng, "decode") == {4: ("captured", 4), 2: ("captured", 4), 1: ("captured", 6)}
 
 
 def test_breakable_splits_at_every_attention(
-    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer, reference: list[list[int]],
+    tiny_llama: Path,
+    tmp_path: Path,
+    capturer: EmulatedCapturer,
+    reference: list[list[int]],
 ) -> None:
     with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="breakable") as eng:
         layers = eng.model_config.num_layers
@@ -265,10 +318,17 @@ def test_breakable_splits_at_every_attention(
 
 
 def test_lazy_capture_state_machine(
-    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer,
+    tiny_llama: Path,
+    tmp_path: Path,
+    capturer: EmulatedCapturer,
 ) -> None:
-    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full",
-                     cuda_graph_backend_prefill="full", enable_prefix_caching=False) as eng:
+    with make_engine(
+        tiny_llama,
+        tmp_path,
+        cuda_graph_backend_decode="full",
+        cuda_graph_backend_prefill="full",
+        enable_prefix_caching=False,
+    ) as eng:
         assert states(eng, "decode") == {1: ("unseen", 0), 2: ("unseen", 0), 4: ("unseen", 0)}
         one = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
         eng.generate(input_ids=PROMPTS[0], sampling_params=one)  # first hits: capture
@@ -287,10 +347,18 @@ def test_lazy_capture_state_machine(
 
 
 def test_upfront_captures_every_bucket_before_serving(
-    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer, reference: list[list[int]],
+    tiny_llama: Path,
+    tmp_path: Path,
+    capturer: EmulatedCapturer,
+    reference: list[list[int]],
 ) -> None:
-    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full",
-                     cuda_graph_backend_prefill="breakable", cuda_graph_capture="upfront") as eng:
+    with make_engine(
+        tiny_llama,
+        tmp_path,
+        cuda_graph_backend_decode="full",
+        cuda_graph_backend_prefill="breakable",
+        cuda_graph_capture="upfront",
+    ) as eng:
         assert capturer.sessions == 5
         assert all(s == ("captured", 0) for s in states(eng, "decode").values())
         assert all(s == ("captured", 0) for s in states(eng, "prefill").values())
@@ -300,47 +368,63 @@ def test_upfront_captures_every_bucket_before_serving(
 
 
 def test_manifest_prewarms_the_buckets_the_last_run_hit(
-    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer, reference: list[list[int]],
+    tiny_llama: Path,
+    tmp_path: Path,
+    capturer: EmulatedCapturer,
+    reference: list[list[int]],
 ) -> None:
     with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full") as eng:
         eng.generate(input_ids=PROMPTS[:2], sampling_params=PARAMS[:2])  # decode buckets 2, 1
     assert capturer.sessions == 2
-    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full",
-                     cuda_graph_capture="manifest") as eng:
+    with make_engine(
+        tiny_llama, tmp_path, cuda_graph_backend_decode="full", cuda_graph_capture="manifest"
+    ) as eng:
         assert capturer.sessions == 4
-        assert states(eng, "decode") == {1: ("captured", 0), 2: ("captured", 0),
-                                         4: ("unseen", 0)}
+        assert states(eng, "decode") == {1: ("captured", 0), 2: ("captured", 0), 4: ("unseen", 0)}
         assert generate(eng) == reference  # then lazily: bucket 4 on its first hit
         assert capturer.sessions == 5
 
 
 def test_over_budget_captures_are_skipped(
-    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer, reference: list[list[int]],
+    tiny_llama: Path,
+    tmp_path: Path,
+    capturer: EmulatedCapturer,
+    reference: list[list[int]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     capturer.peak = 10**9  # every warm-up peaks at 1 GB; the budget is 0.05% of 1 TiB
-    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full",
-                     cuda_graph_backend_prefill="breakable",
-                     cuda_graph_mem_fraction=0.0005) as eng:
+    with make_engine(
+        tiny_llama,
+        tmp_path,
+        cuda_graph_backend_decode="full",
+        cuda_graph_backend_prefill="breakable",
+        cuda_graph_mem_fraction=0.0005,
+    ) as eng:
         with caplog.at_level(logging.WARNING, logger="srt.model_executor.graph_memory"):
             assert generate(eng) == reference
             assert generate(eng) == reference
         assert capturer.sessions == 0
         skips = [r for r in caplog.records if "skipping the capture" in r.getMessage()]
         assert len(skips) == 5  # once per bucket: decode 4, 2, 1; prefill 16, 8
-        assert states(eng, "decode") == {1: ("skipped", 0), 2: ("skipped", 0),
-                                         4: ("skipped", 0)}
+        assert states(eng, "decode") == {1: ("skipped", 0), 2: ("skipped", 0), 4: ("skipped", 0)}
         info = eng.get_server_info()["runner"]["graph_pool"]
         assert info["skips"] == 5 and info["captures"] == 0
 
 
 def test_without_a_capturer_the_uncaptured_path_runs(
-    tiny_llama: Path, tmp_path: Path, reference: list[list[int]],
+    tiny_llama: Path,
+    tmp_path: Path,
+    reference: list[list[int]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.INFO, logger="srt.model_executor.graph_runner"):
-        eng = make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full",
-                          cuda_graph_backend_prefill="breakable", cuda_graph_capture="upfront")
+        eng = make_engine(
+            tiny_llama,
+            tmp_path,
+            cuda_graph_backend_decode="full",
+            cuda_graph_backend_prefill="breakable",
+            cuda_graph_capture="upfront",
+        )
     with eng:
         assert generate(eng) == reference
         assert generate(eng) == reference
@@ -392,10 +476,17 @@ def test_piece_graphs_capture_each_piece_bucket_once() -> None:
 
 
 def test_tc_piecewise_piece_graphs_give_the_eager_ids(
-    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer, reference: list[list[int]],
+    tiny_llama: Path,
+    tmp_path: Path,
+    capturer: EmulatedCapturer,
+    reference: list[list[int]],
 ) -> None:
-    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="tc_piecewise",
-                     cuda_graph_backend_prefill="tc_piecewise") as eng:
+    with make_engine(
+        tiny_llama,
+        tmp_path,
+        cuda_graph_backend_decode="tc_piecewise",
+        cuda_graph_backend_prefill="tc_piecewise",
+    ) as eng:
         pieces = eng.model_config.num_layers + 1
         assert generate(eng) == reference  # first hits: the general graph (warm-up)
         assert generate(eng) == reference  # second hits capture, later ones replay

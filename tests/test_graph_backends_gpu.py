@@ -36,8 +36,15 @@ def llama8(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from srt.tools.make_tiny_model import make_tiny_model
 
     return make_tiny_model(
-        tmp_path_factory.mktemp("llama8"), "llama", num_layers=8, hidden_size=256, num_heads=4,
-        num_kv_heads=2, intermediate_size=512, vocab_size=512, dtype="bfloat16",
+        tmp_path_factory.mktemp("llama8"),
+        "llama",
+        num_layers=8,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=512,
+        vocab_size=512,
+        dtype="bfloat16",
     )
 
 
@@ -52,9 +59,18 @@ PARAMS = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in
 def engine(path: Path, cache: Path, **kwargs: Any) -> Engine:
     # No prefix caching: a second round repeats the first round's batches exactly (so that
     # tc_piecewise, which captures on a bucket's second hit, captures the prefill bucket too).
-    return Engine(model_path=str(path), device="cuda", dtype="bfloat16",
-                  attention_backend=ATTENTION, max_total_tokens=4096, max_running_requests=16,
-                  enable_prefix_caching=False, compile_cache_dir=str(cache), **LADDERS, **kwargs)
+    return Engine(
+        model_path=str(path),
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend=ATTENTION,
+        max_total_tokens=4096,
+        max_running_requests=16,
+        enable_prefix_caching=False,
+        compile_cache_dir=str(cache),
+        **LADDERS,
+        **kwargs,
+    )
 
 
 def generate(eng: Engine) -> list[list[int]]:
@@ -70,8 +86,12 @@ def close(eng: Engine) -> None:
 
 @pytest.fixture(scope="module")
 def reference(llama8: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    eng = engine(llama8, tmp_path_factory.mktemp("ref-cache"),
-                 cuda_graph_backend_decode="disabled", cuda_graph_backend_prefill="disabled")
+    eng = engine(
+        llama8,
+        tmp_path_factory.mktemp("ref-cache"),
+        cuda_graph_backend_decode="disabled",
+        cuda_graph_backend_prefill="disabled",
+    )
     try:
         return generate(eng)
     finally:
@@ -103,15 +123,24 @@ def check_captures(eng: Engine, backends: dict[str, str]) -> dict[str, Any]:
 @pytest.mark.parametrize("prefill", BACKENDS)
 @pytest.mark.parametrize("decode", BACKENDS)
 def test_backends_match_eager(
-    llama8: Path, tmp_path: Path, reference: list[list[int]], decode: str, prefill: str,
+    llama8: Path,
+    tmp_path: Path,
+    reference: list[list[int]],
+    decode: str,
+    prefill: str,
 ) -> None:
     if decode == prefill == "disabled":
         pytest.skip("the reference itself")
     backends = {"decode": decode, "prefill": prefill}
     lazy_captured: dict[str, list[int]] = {}
     for mode in ("lazy", "upfront", "manifest"):
-        eng = engine(llama8, tmp_path / "cache", cuda_graph_backend_decode=decode,
-                     cuda_graph_backend_prefill=prefill, cuda_graph_capture=mode)
+        eng = engine(
+            llama8,
+            tmp_path / "cache",
+            cuda_graph_backend_decode=decode,
+            cuda_graph_backend_prefill=prefill,
+            cuda_graph_capture=mode,
+        )
         try:
             at_start = eng.get_server_info()["graphs"]
             if mode == "upfront":
@@ -125,7 +154,8 @@ def test_backends_match_eager(
             for round_ in range(2):
                 got = generate(eng)
                 assert got == reference, f"{mode}, round {round_}: " + first_divergence(
-                    got, reference)
+                    got, reference
+                )
             info = check_captures(eng, backends)
             if decode in ("full", "breakable"):
                 d = info["graphs"]["decode"]
@@ -139,16 +169,22 @@ def test_backends_match_eager(
 
 
 def test_torch_compile_full_decode(
-    llama8: Path, tmp_path: Path, reference: list[list[int]],
+    llama8: Path,
+    tmp_path: Path,
+    reference: list[list[int]],
 ) -> None:
-    eng = engine(llama8, tmp_path, cuda_graph_backend_decode="full", enable_torch_compile=True,
-                 torch_compile_max_bs=4)
+    eng = engine(
+        llama8,
+        tmp_path,
+        cuda_graph_backend_decode="full",
+        enable_torch_compile=True,
+        torch_compile_max_bs=4,
+    )
     try:
         got = generate(eng)
         # Inductor rounds bf16 differently from eager (it fuses in fp32), so later tokens may
         # drift apart; the first decoded token of every request must agree.
-        assert [g[:2] for g in got] == [w[:2] for w in reference], (
-            first_divergence(got, reference))
+        assert [g[:2] for g in got] == [w[:2] for w in reference], first_divergence(got, reference)
         info = check_captures(eng, {"decode": "full"})
         assert info["graphs"]["decode"]["torch_compile_max_bs"] == 4
         assert info["graphs"]["decode"]["replays"] == DECODE_STEPS
@@ -157,10 +193,17 @@ def test_torch_compile_full_decode(
 
 
 def test_tiny_budget_skips_captures(
-    llama8: Path, tmp_path: Path, reference: list[list[int]],
+    llama8: Path,
+    tmp_path: Path,
+    reference: list[list[int]],
 ) -> None:
-    eng = engine(llama8, tmp_path, cuda_graph_backend_decode="full",
-                 cuda_graph_backend_prefill="breakable", cuda_graph_mem_fraction=1e-9)
+    eng = engine(
+        llama8,
+        tmp_path,
+        cuda_graph_backend_decode="full",
+        cuda_graph_backend_prefill="breakable",
+        cuda_graph_mem_fraction=1e-9,
+    )
     try:
         assert generate(eng) == reference
         assert generate(eng) == reference
@@ -177,12 +220,18 @@ def test_tiny_budget_skips_captures(
 def test_pool_is_shared_and_reused(llama8: Path, tmp_path: Path) -> None:
     """All buckets of both phases in one pool: capturing the small buckets after the largest
     reuses its memory instead of growing the pool by their sum."""
-    eng = engine(llama8, tmp_path, cuda_graph_backend_decode="breakable",
-                 cuda_graph_backend_prefill="full", cuda_graph_capture="upfront")
+    eng = engine(
+        llama8,
+        tmp_path,
+        cuda_graph_backend_decode="breakable",
+        cuda_graph_backend_prefill="full",
+        cuda_graph_capture="upfront",
+    )
     try:
         info = eng.get_server_info()
-        growths = [b["pool_growth"] for p in ("decode", "prefill")
-                   for b in info["graphs"][p]["buckets"]]
+        growths = [
+            b["pool_growth"] for p in ("decode", "prefill") for b in info["graphs"][p]["buckets"]
+        ]
         assert len(growths) == 9 and info["runner"]["graph_pool"]["pool_bytes"] > 0
         # In separate pools every capture would take fresh memory; here later, smaller ones
         # reuse what the larger ones freed.
@@ -193,6 +242,11 @@ def test_pool_is_shared_and_reused(llama8: Path, tmp_path: Path) -> None:
 
 def test_full_needs_a_capturable_attention_backend(llama8: Path, tmp_path: Path) -> None:
     with pytest.raises(GraphConfigError, match="--cuda-graph-backend-decode full"):
-        Engine(model_path=str(llama8), device="cuda", attention_backend="torch_native",
-               max_total_tokens=1024, compile_cache_dir=str(tmp_path),
-               cuda_graph_backend_decode="full")
+        Engine(
+            model_path=str(llama8),
+            device="cuda",
+            attention_backend="torch_native",
+            max_total_tokens=1024,
+            compile_cache_dir=str(tmp_path),
+            cuda_graph_backend_decode="full",
+        )

@@ -88,8 +88,9 @@ def test_config_without_required_key(tiny_llama: Path, copy_of) -> None:
 def test_unsupported_architecture(tiny_llama: Path, copy_of) -> None:
     path = copy_of(tiny_llama)
     edit_json(path / "config.json", architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ModelLoadError,
-                       match=f"{path / 'config.json'}: unsupported architecture 'GPT2LMHeadModel'"):
+    with pytest.raises(
+        ModelLoadError, match=f"{path / 'config.json'}: unsupported architecture 'GPT2LMHeadModel'"
+    ):
         load(path)
 
 
@@ -114,23 +115,27 @@ def test_weight_shape_mismatch(tiny_llama: Path, copy_of) -> None:
         t[name] = t[name][:-1]
 
     edit_tensors(path / "model.safetensors", shrink)
-    with pytest.raises(ModelLoadError,
-                       match=f"model.safetensors: tensor {name} has shape \\(31, 64\\), "
-                             f"expected \\(32, 64\\)"):
+    with pytest.raises(
+        ModelLoadError,
+        match=f"model.safetensors: tensor {name} has shape \\(31, 64\\), expected \\(32, 64\\)",
+    ):
         load(path)
 
 
 def test_config_disagrees_with_weights(tiny_llama: Path, copy_of) -> None:
     path = copy_of(tiny_llama)
     edit_json(path / "config.json", intermediate_size=96)
-    with pytest.raises(ModelLoadError,
-                       match="tensor model.layers.0.mlp.down_proj.weight has shape \\(64, 128\\), "
-                             "expected \\(64, 96\\) \\(from config.json\\)"):
+    with pytest.raises(
+        ModelLoadError,
+        match="tensor model.layers.0.mlp.down_proj.weight has shape \\(64, 128\\), "
+        "expected \\(64, 96\\) \\(from config.json\\)",
+    ):
         load(path)
 
 
-@pytest.mark.parametrize("name", ["model.layers.1.mlp.up_proj.weight", "lm_head.weight",
-                                  "model.norm.weight"])
+@pytest.mark.parametrize(
+    "name", ["model.layers.1.mlp.up_proj.weight", "lm_head.weight", "model.norm.weight"]
+)
 def test_missing_tensor(tiny_llama: Path, copy_of, name: str) -> None:
     path = copy_of(tiny_llama)
     edit_tensors(path / "model.safetensors", lambda t: t.pop(name))
@@ -140,18 +145,25 @@ def test_missing_tensor(tiny_llama: Path, copy_of, name: str) -> None:
 
 def test_unexpected_tensor(tiny_llama: Path, copy_of) -> None:
     path = copy_of(tiny_llama)
-    edit_tensors(path / "model.safetensors",
-                 lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}))
-    with pytest.raises(ModelLoadError, match="model.safetensors: tensor "
-                                             "model.layers.0.mlp.extra.weight has no matching"):
+    edit_tensors(
+        path / "model.safetensors",
+        lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}),
+    )
+    with pytest.raises(
+        ModelLoadError,
+        match="model.safetensors: tensor model.layers.0.mlp.extra.weight has no matching",
+    ):
         load(path)
 
 
 def test_sharded_index_names_a_missing_file(tiny_model_factory, copy_of) -> None:
     path = copy_of(tiny_model_factory("llama", num_shards=3))
     (path / "model-00002-of-00003.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match="model.safetensors.index.json names "
-                                             "model-00002-of-00003.safetensors, which is missing"):
+    with pytest.raises(
+        ModelLoadError,
+        match="model.safetensors.index.json names "
+        "model-00002-of-00003.safetensors, which is missing",
+    ):
         load(path)
 
 
@@ -174,9 +186,13 @@ def test_corrupted_safetensors(tiny_llama: Path, copy_of, corrupt: str) -> None:
     path = copy_of(tiny_llama)
     file = path / "model.safetensors"
     data = file.read_bytes()
-    file.write_bytes({"truncated": data[: len(data) // 2],
-                      "garbage header": data[:8] + b"#" * 40 + data[48:],
-                      "empty": b""}[corrupt])
+    file.write_bytes(
+        {
+            "truncated": data[: len(data) // 2],
+            "garbage header": data[:8] + b"#" * 40 + data[48:],
+            "empty": b"",
+        }[corrupt]
+    )
     with pytest.raises(ModelLoadError, match=f"cannot read weights from {file}"):
         load(path)
 
@@ -234,10 +250,12 @@ def test_dummy_weights_deterministic_from_seed(config_only: Path) -> None:
 
 def test_dummy_engine_serves_without_weight_files(config_only: Path) -> None:
     def run(seed: int) -> list[int]:
-        with Engine(model_path=str(config_only), device="cpu", load_format="dummy",
-                    seed=seed) as engine:
-            out = engine.generate(prompt="Hi", sampling_params={"max_new_tokens": 4,
-                                                                "temperature": 0})
+        with Engine(
+            model_path=str(config_only), device="cpu", load_format="dummy", seed=seed
+        ) as engine:
+            out = engine.generate(
+                prompt="Hi", sampling_params={"max_new_tokens": 4, "temperature": 0}
+            )
         assert out["meta_info"]["completion_tokens"] == 4
         return out["output_ids"]
 

@@ -52,8 +52,9 @@ def case(request: pytest.FixtureRequest, tiny_model_factory) -> Iterator[Case]:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     prompts.append(tokenizer.encode(CORPUS)[:LONG_PROMPT_TOKENS])
-    with Engine(model_path=str(path), device="cpu", dtype="float32",
-                enable_prefix_caching=False) as engine:
+    with Engine(
+        model_path=str(path), device="cpu", dtype="float32", enable_prefix_caching=False
+    ) as engine:
         yield Case(path, tokenizer, hf, engine, prompts)
 
 
@@ -101,18 +102,26 @@ def test_greedy_decoding_and_logprobs_match_generate(case: Case) -> None:
     for ids, result in zip(case.prompts, results, strict=True):
         with torch.no_grad():
             out = case.hf.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                return_dict_in_generate=True, pad_token_id=case.tokenizer.pad_token_id,
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=case.tokenizer.pad_token_id,
             )
-        expected = out.sequences[0, len(ids):].tolist()  # stops after eos, as we do
+        expected = out.sequences[0, len(ids) :].tolist()  # stops after eos, as we do
         assert result["output_ids"] == expected
         finished_on_eos = len(expected) < NEW_TOKENS
         assert result["meta_info"]["finish_reason"] == ("stop" if finished_on_eos else "length")
         logprobs = result["meta_info"]["output_token_logprobs"]
         assert [t for _, t in logprobs] == expected
-        ref = torch.stack([torch.log_softmax(step[0].float(), -1)[t]
-                           for step, t in zip(out.logits, expected, strict=True)])
+        ref = torch.stack(
+            [
+                torch.log_softmax(step[0].float(), -1)[t]
+                for step, t in zip(out.logits, expected, strict=True)
+            ]
+        )
         ours = torch.tensor([lp for lp, _ in logprobs])
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
@@ -127,8 +136,9 @@ BF16_ERROR_RATIO = 1.5
 
 def test_bfloat16_close_to_transformers_bfloat16(case: Case) -> None:
     hf_bf16 = AutoModelForCausalLM.from_pretrained(case.path, dtype=torch.bfloat16).eval()
-    with Engine(model_path=str(case.path), device="cpu", dtype="bfloat16",
-                enable_prefix_caching=False) as engine:
+    with Engine(
+        model_path=str(case.path), device="cpu", dtype="bfloat16", enable_prefix_caching=False
+    ) as engine:
         ours = prefill_logits(engine, case.prompts)
     for ids, logits in zip(case.prompts, ours, strict=True):
         ref32 = hf_logits(case.hf, ids)
@@ -160,9 +170,14 @@ def test_llama_attention_bias(tiny_llama: Path, tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_cuda_torch_native_matches_transformers(case: Case) -> None:
     greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}
-    with Engine(model_path=str(case.path), device="cuda", dtype="float32",
-                attention_backend="torch_native", enable_prefix_caching=False,
-                max_total_tokens=4096) as engine:
+    with Engine(
+        model_path=str(case.path),
+        device="cuda",
+        dtype="float32",
+        attention_backend="torch_native",
+        enable_prefix_caching=False,
+        max_total_tokens=4096,
+    ) as engine:
         for ids, ours in zip(case.prompts, prefill_logits(engine, case.prompts), strict=True):
             assert relative_error(ours.cpu(), hf_logits(case.hf, ids)) < 1e-4
         on_cuda = engine.generate(input_ids=case.prompts, sampling_params=greedy)

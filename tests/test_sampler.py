@@ -14,8 +14,14 @@ DRAWS = 20_000
 
 
 def batch(
-    n: int, *, temperature: float = 1.0, top_k: int = 1 << 30, top_p: float = 1.0,
-    min_p: float = 0.0, seeds: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+    n: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 1 << 30,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seeds: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> SamplingBatch:
     return SamplingBatch(
         temperatures=torch.full((n,), temperature),
@@ -74,9 +80,12 @@ def test_draws_follow_softmax(logits: torch.Tensor, temperature: float) -> None:
     assert chi_square_excess(draws(logits, temperature=temperature), probs) < 5
     # One request's stream over positions (a fixed seed) follows it too.
     positions = torch.arange(DRAWS, dtype=torch.int64)
-    per_position = sample(logits.expand(DRAWS, -1),
-                          batch(DRAWS, temperature=temperature,
-                                seeds=torch.full((DRAWS,), 1234), positions=positions))
+    per_position = sample(
+        logits.expand(DRAWS, -1),
+        batch(
+            DRAWS, temperature=temperature, seeds=torch.full((DRAWS,), 1234), positions=positions
+        ),
+    )
     assert chi_square_excess(per_position, probs) < 5
 
 
@@ -90,8 +99,9 @@ def test_filter_probs_on_a_known_distribution() -> None:
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
 
     def kept(top_k: int = 4, top_p: float = 1.0, min_p: float = 0.0) -> list[int]:
-        out = filter_probs(probs, torch.tensor([top_k]), torch.tensor([top_p]),
-                           torch.tensor([min_p]))
+        out = filter_probs(
+            probs, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p])
+        )
         assert torch.equal(out[out > 0], probs[out > 0])  # kept tokens keep their mass
         return (out[0] > 0).nonzero().flatten().tolist()
 
@@ -117,9 +127,16 @@ def allowed_set(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> 
     return allowed
 
 
-@pytest.mark.parametrize(("top_k", "top_p", "min_p"), [
-    (5, 1.0, 0.0), (1 << 30, 0.6, 0.0), (1 << 30, 1.0, 0.3), (8, 0.9, 0.05), (1, 0.3, 0.0),
-])
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "min_p"),
+    [
+        (5, 1.0, 0.0),
+        (1 << 30, 0.6, 0.0),
+        (1 << 30, 1.0, 0.3),
+        (8, 0.9, 0.05),
+        (1, 0.3, 0.0),
+    ],
+)
 def test_filtered_sampling_stays_in_the_allowed_set(
     logits: torch.Tensor, top_k: int, top_p: float, min_p: float
 ) -> None:
@@ -149,8 +166,9 @@ def test_different_seeds_give_different_streams(logits: torch.Tensor) -> None:
     positions = torch.arange(64, dtype=torch.int64)
 
     def stream(seed: int) -> list[int]:
-        return sample(logits.expand(64, -1),
-                      batch(64, seeds=torch.full((64,), seed), positions=positions)).tolist()
+        return sample(
+            logits.expand(64, -1), batch(64, seeds=torch.full((64,), seed), positions=positions)
+        ).tolist()
 
     assert stream(7) == stream(7)
     assert stream(7) != stream(8)
@@ -160,8 +178,9 @@ def test_every_bit_of_the_seed_counts(logits: torch.Tensor) -> None:
     positions = torch.arange(64, dtype=torch.int64)
 
     def stream(seed: int) -> list[int]:
-        return sample(logits.expand(64, -1),
-                      batch(64, seeds=torch.full((64,), seed), positions=positions)).tolist()
+        return sample(
+            logits.expand(64, -1), batch(64, seeds=torch.full((64,), seed), positions=positions)
+        ).tolist()
 
     # Seeds that differ only in their high 32 bits (or only in the sign) draw differently.
     streams = [stream(s) for s in (0, 2**32, 2**62, -(2**63), 2**63 - 1, -1, 2**32 - 1)]
@@ -181,13 +200,14 @@ def test_engine_seeded_sampling_is_reproducible(engine: Engine) -> None:
     # In a batch with other requests, at another index, the seeded request draws the same.
     batched = engine.generate(
         prompt=["A garden is", "The rain fell", "Computers do exactly"],
-        sampling_params=[{"max_new_tokens": 9, "temperature": 0.8},
-                         params,
-                         {"max_new_tokens": 20, "temperature": 0.0}],
+        sampling_params=[
+            {"max_new_tokens": 9, "temperature": 0.8},
+            params,
+            {"max_new_tokens": 20, "temperature": 0.0},
+        ],
     )
     assert batched[1]["output_ids"] == first
     other = engine.generate(prompt="The rain fell", sampling_params={**params, "seed": 43})
     assert other["output_ids"] != first
-    greedy = engine.generate(prompt="The rain fell",
-                             sampling_params={**params, "temperature": 0.0})
+    greedy = engine.generate(prompt="The rain fell", sampling_params={**params, "temperature": 0.0})
     assert greedy["output_ids"] != first  # temperature 1 really samples

@@ -50,8 +50,9 @@ class FakeRunner:
         self.table[plan.table_rows, plan.table_cols] = plan.table_slots
         self.kv[plan.out_cache_loc] = np.stack([plan.input_ids, plan.positions], axis=1)
         out = []
-        for row, prefix, extend in zip(plan.req_pool_indices, plan.prefix_lens,
-                                       plan.extend_lens, strict=True):
+        for row, prefix, extend in zip(
+            plan.req_pool_indices, plan.prefix_lens, plan.extend_lens, strict=True
+        ):
             kv = self.kv[self.table[row, : prefix + extend]]
             assert (kv[:, 1] == np.arange(prefix + extend)).all(), "KV read at wrong positions"
             out.append(next_token(kv[:, 0]))
@@ -62,13 +63,19 @@ def make_scheduler(
     num_slots: int = 1024, context_length: int = 256, **kwargs
 ) -> tuple[Scheduler, FakeRunner]:
     args = ServerArgs(**kwargs)
-    sched = Scheduler(args, num_slots=num_slots, context_length=context_length,
-                      vocab_size=VOCAB, eos_token_ids=[EOS])
+    sched = Scheduler(
+        args,
+        num_slots=num_slots,
+        context_length=context_length,
+        vocab_size=VOCAB,
+        eos_token_ids=[EOS],
+    )
     return sched, FakeRunner(num_slots, args.max_running_requests, context_length)
 
 
-def run_all(sched: Scheduler, runner: FakeRunner, reqs: dict[str, tuple[list[int], dict]]
-            ) -> dict[str, dict]:
+def run_all(
+    sched: Scheduler, runner: FakeRunner, reqs: dict[str, tuple[list[int], dict]]
+) -> dict[str, dict]:
     """Submit every request, step until all finish; rid -> {ids, reason, matched, cached}."""
     for rid, (prompt, params) in reqs.items():
         sched.add_request(GenerateReq(rid, prompt, SamplingParams.from_dict(params)))
@@ -80,9 +87,13 @@ def run_all(sched: Scheduler, runner: FakeRunner, reqs: dict[str, tuple[list[int
         for out in sched.step(runner.forward):
             ids[out.rid] += out.new_token_ids
             if out.finished_reason is not None:
-                done[out.rid] = {"ids": ids[out.rid], "reason": out.finished_reason,
-                                 "matched": out.matched_stop, "cached": out.cached_tokens,
-                                 "completion_tokens": out.completion_tokens}
+                done[out.rid] = {
+                    "ids": ids[out.rid],
+                    "reason": out.finished_reason,
+                    "matched": out.matched_stop,
+                    "cached": out.cached_tokens,
+                    "completion_tokens": out.completion_tokens,
+                }
     assert set(done) == set(reqs)
     return done
 
@@ -102,8 +113,10 @@ def shared_prefix_workload(n: int, seed: int) -> dict[str, tuple[list[int], dict
     reqs = {}
     for i in range(n):
         tail = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 12))]
-        reqs[f"r{i}"] = (rng.choice(stems) + tail,
-                         {"max_new_tokens": rng.randrange(1, 16), "ignore_eos": True})
+        reqs[f"r{i}"] = (
+            rng.choice(stems) + tail,
+            {"max_new_tokens": rng.randrange(1, 16), "ignore_eos": True},
+        )
     return reqs
 
 
@@ -112,9 +125,13 @@ def shared_prefix_workload(n: int, seed: int) -> dict[str, tuple[list[int], dict
 def test_outputs_correct_under_kv_pressure(prefix_caching: bool, chunk: int) -> None:
     """A KV pool far smaller than the workload queues requests; all finish, all correct."""
     reqs = shared_prefix_workload(40, seed=1)
-    sched, runner = make_scheduler(num_slots=65, max_running_requests=8,
-                                   chunked_prefill_size=chunk, max_prefill_tokens=48,
-                                   enable_prefix_caching=prefix_caching)
+    sched, runner = make_scheduler(
+        num_slots=65,
+        max_running_requests=8,
+        chunked_prefill_size=chunk,
+        max_prefill_tokens=48,
+        enable_prefix_caching=prefix_caching,
+    )
     done = run_all(sched, runner, reqs)
     for rid, (prompt, params) in reqs.items():
         assert done[rid]["ids"] == reference(prompt, params["max_new_tokens"]), rid
@@ -144,8 +161,14 @@ def test_request_waits_until_kv_frees() -> None:
 
 def test_prefill_and_decode_are_separate_steps() -> None:
     sched, runner = make_scheduler()
-    run_all(sched, runner, {"a": ([1, 2, 3], {"max_new_tokens": 3, "ignore_eos": True}),
-                            "b": ([4, 5], {"max_new_tokens": 3, "ignore_eos": True})})
+    run_all(
+        sched,
+        runner,
+        {
+            "a": ([1, 2, 3], {"max_new_tokens": 3, "ignore_eos": True}),
+            "b": ([4, 5], {"max_new_tokens": 3, "ignore_eos": True}),
+        },
+    )
     modes = [(p.forward_mode, p.batch_size, p.num_tokens) for p in runner.plans]
     assert modes == [(0, 2, 5), (1, 2, 2), (1, 2, 2)]
     assert sched.stats["prefill_steps"] == 1 and sched.stats["decode_steps"] == 2
@@ -158,18 +181,29 @@ def test_stop_conditions() -> None:
     eos_at = full.index(full[4])  # eos is the 5th token (or an earlier copy of it)
     stop_at = full.index(full[6])
     sched.eos_token_ids = {full[4]}
-    done = run_all(sched, runner, {
-        "eos": (prompt, {"max_new_tokens": 12}),
-        "ignore_eos": (prompt, {"max_new_tokens": 12, "ignore_eos": True}),
-        "stop_token": (prompt, {"max_new_tokens": 12, "ignore_eos": True,
-                                "stop_token_ids": [full[6]]}),
-        # Stop strings are the tokenizer side's (the scheduler sees ids): no effect here.
-        "stop_str": (prompt, {"max_new_tokens": 12, "ignore_eos": True, "stop": ["zzz"]}),
-        "zero": (prompt, {"max_new_tokens": 0}),
-        "one": (prompt, {"max_new_tokens": 1, "ignore_eos": True}),
-    })
-    assert done["eos"] == {"ids": full[: eos_at + 1], "reason": "stop", "matched": full[4],
-                           "cached": 0, "completion_tokens": eos_at + 1}
+    done = run_all(
+        sched,
+        runner,
+        {
+            "eos": (prompt, {"max_new_tokens": 12}),
+            "ignore_eos": (prompt, {"max_new_tokens": 12, "ignore_eos": True}),
+            "stop_token": (
+                prompt,
+                {"max_new_tokens": 12, "ignore_eos": True, "stop_token_ids": [full[6]]},
+            ),
+            # Stop strings are the tokenizer side's (the scheduler sees ids): no effect here.
+            "stop_str": (prompt, {"max_new_tokens": 12, "ignore_eos": True, "stop": ["zzz"]}),
+            "zero": (prompt, {"max_new_tokens": 0}),
+            "one": (prompt, {"max_new_tokens": 1, "ignore_eos": True}),
+        },
+    )
+    assert done["eos"] == {
+        "ids": full[: eos_at + 1],
+        "reason": "stop",
+        "matched": full[4],
+        "cached": 0,
+        "completion_tokens": eos_at + 1,
+    }
     assert done["ignore_eos"]["ids"] == full and done["ignore_eos"]["reason"] == "length"
     assert done["stop_token"]["ids"] == full[: stop_at + 1]
     assert (done["stop_token"]["reason"], done["stop_token"]["matched"]) == ("stop", full[6])
@@ -183,19 +217,23 @@ def test_max_new_tokens_past_the_context_rejected() -> None:
     # The front end resolves an unset max_new_tokens to what the context leaves; one that is
     # set and does not fit is refused, here as there (the same check_seq).
     sched, _ = make_scheduler(num_slots=17, context_length=16)
-    with pytest.raises(ValueError, match="the context length is 16 tokens, but the request "
-                                         "asks for 110"):
+    with pytest.raises(
+        ValueError, match="the context length is 16 tokens, but the request asks for 110"
+    ):
         sched.add_request(GenerateReq("a", list(range(1, 11)), SamplingParams(max_new_tokens=100)))
     assert not sched.has_work
 
 
-@pytest.mark.parametrize(("input_ids", "message"), [
-    ([], "the prompt is empty"),
-    ([1, VOCAB], f"invalid token id {VOCAB}: ids must be in \\[0, {VOCAB}\\)"),
-    ([-1], "invalid token id -1"),
-    ([1, 2.0], "invalid token id 2.0"),
-    (list(range(1, 17)), "the prompt has 16 tokens; the context length is 16"),
-])
+@pytest.mark.parametrize(
+    ("input_ids", "message"),
+    [
+        ([], "the prompt is empty"),
+        ([1, VOCAB], f"invalid token id {VOCAB}: ids must be in \\[0, {VOCAB}\\)"),
+        ([-1], "invalid token id -1"),
+        ([1, 2.0], "invalid token id 2.0"),
+        (list(range(1, 17)), "the prompt has 16 tokens; the context length is 16"),
+    ],
+)
 def test_invalid_requests_rejected(input_ids: list, message: str) -> None:
     sched, _ = make_scheduler(context_length=16)
     with pytest.raises(ValueError, match=message):
@@ -251,9 +289,11 @@ def test_a_bad_request_is_finished_with_an_error_and_the_others_go_on() -> None:
     loop.scheduler = sched
     good = [3, 1, 4, 1, 5]
     assert loop._handle(GenerateReq("before", good, SamplingParams(max_new_tokens=6))) is None
-    bad = [GenerateReq("top_k", good, SamplingParams(max_new_tokens=6, top_k=2**63)),
-           GenerateReq("seed", good, SamplingParams(max_new_tokens=6, seed=2**64)),
-           GenerateReq("params", good, None)]  # type: ignore[arg-type]
+    bad = [
+        GenerateReq("top_k", good, SamplingParams(max_new_tokens=6, top_k=2**63)),
+        GenerateReq("seed", good, SamplingParams(max_new_tokens=6, seed=2**64)),
+        GenerateReq("params", good, None),
+    ]  # type: ignore[arg-type]
     for req in bad:
         out = loop._handle(req)
         assert out.rid == req.rid and out.finished_reason == "abort" and out.error, req.rid

@@ -25,8 +25,11 @@ PROMPT = "The lighthouse keeper woke before the gulls"
 def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     # A tc compiler with no tc_piecewise phase is ignored with a warning (SGLang's way).
-    srv = ServerProcess(["--model-path", str(tiny_llama), "--cuda-graph-tc-compiler", "inductor"],
-                        log, api_key=API_KEY)
+    srv = ServerProcess(
+        ["--model-path", str(tiny_llama), "--cuda-graph-tc-compiler", "inductor"],
+        log,
+        api_key=API_KEY,
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -50,12 +53,17 @@ def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
 
-def post(server: ServerProcess, path: str, body: dict | None = None,
-         content: bytes | None = None) -> httpx.Response:
+def post(
+    server: ServerProcess, path: str, body: dict | None = None, content: bytes | None = None
+) -> httpx.Response:
     if body is not None:  # JSON's \u escapes, so that lone surrogates can be sent
         content = json.dumps(body).encode()
-    return httpx.post(f"{server.url}{path}", content=content, timeout=60,
-                      headers={**server.headers, "Content-Type": "application/json"})
+    return httpx.post(
+        f"{server.url}{path}",
+        content=content,
+        timeout=60,
+        headers={**server.headers, "Content-Type": "application/json"},
+    )
 
 
 def chat_ids(tiny_llama: Path, messages: list[dict]) -> list[int]:
@@ -77,8 +85,11 @@ def test_models_health_and_api_key(server: ServerProcess, model: str, tiny_llama
 
 def test_api_key_is_checked_first_and_everywhere(server: ServerProcess) -> None:
     # Before the body is parsed: a malformed body without the key is a 401, not a 400.
-    bad_json = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": ',
-                          headers={"Content-Type": "application/json"})
+    bad_json = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b'{"prompt": ',
+        headers={"Content-Type": "application/json"},
+    )
     assert bad_json.status_code == 401, bad_json.text
     assert bad_json.json()["error"]["code"] == "invalid_api_key"
     for path in ("/docs", "/redoc", "/openapi.json"):
@@ -86,18 +97,24 @@ def test_api_key_is_checked_first_and_everywhere(server: ServerProcess) -> None:
         assert httpx.get(f"{server.url}{path}", headers=server.headers).status_code == 200, path
     # The scheme is case-insensitive (RFC 7235); the key is not.
     for scheme in ("bearer", "BEARER", "bEaReR"):
-        resp = httpx.get(f"{server.url}/v1/models",
-                         headers={"Authorization": f"{scheme} {API_KEY}"})
+        resp = httpx.get(
+            f"{server.url}/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"}
+        )
         assert resp.status_code == 200, scheme
-    wrong_case = httpx.get(f"{server.url}/v1/models",
-                           headers={"Authorization": f"Bearer {API_KEY.upper()}"})
+    wrong_case = httpx.get(
+        f"{server.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY.upper()}"}
+    )
     assert wrong_case.status_code == 401
 
 
 def test_a_tc_compiler_no_phase_uses_is_only_a_warning(server: ServerProcess) -> None:
     assert "--cuda-graph-tc-compiler inductor is ignored" in server.log()
-    assert post(server, "/generate", {"text": "hi", "sampling_params": {
-        "max_new_tokens": 2}}).json()["meta_info"]["completion_tokens"] == 2
+    assert (
+        post(server, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}).json()[
+            "meta_info"
+        ]["completion_tokens"]
+        == 2
+    )
 
 
 def test_the_scheduler_process_loads_no_tokenizer(server: ServerProcess) -> None:
@@ -107,8 +124,9 @@ def test_the_scheduler_process_loads_no_tokenizer(server: ServerProcess) -> None
     assert "tokenizers" not in maps and "numpy" in maps
 
 
-def test_greedy_matches_engine(client: openai.OpenAI, model: str, engine: Engine,
-                               server: ServerProcess, tiny_llama: Path) -> None:
+def test_greedy_matches_engine(
+    client: openai.OpenAI, model: str, engine: Engine, server: ServerProcess, tiny_llama: Path
+) -> None:
     params = {"max_new_tokens": 16, "temperature": 0}
     want = engine.generate(prompt=PROMPT, sampling_params=params)
     got = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0)
@@ -122,29 +140,43 @@ def test_greedy_matches_engine(client: openai.OpenAI, model: str, engine: Engine
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     want_chat = engine.generate(input_ids=chat_ids(tiny_llama, messages), sampling_params=params)
-    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
-                                          temperature=0)
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0
+    )
     assert chat.choices[0].message.content == want_chat["text"]
     assert chat.choices[0].message.role == "assistant"
 
 
 def test_streaming_equals_non_streaming(client: openai.OpenAI, model: str) -> None:
     full = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0)
-    chunks = list(client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
     messages = [{"role": "user", "content": "Tell me about the library"}]
-    full_chat = client.chat.completions.create(model=model, messages=messages,
-                                               max_completion_tokens=20, temperature=0)
-    stream = list(client.chat.completions.create(
-        model=model, messages=messages, max_completion_tokens=20, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    full_chat = client.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=20, temperature=0
+    )
+    stream = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_completion_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert stream[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == full_chat.choices[0].message.content
@@ -160,8 +192,13 @@ def test_native_generate_stream_and_batch(server: ServerProcess, engine: Engine)
     by_ids = post(server, "/generate", {"input_ids": [1, 2, 3], "sampling_params": params}).json()
     assert by_ids["meta_info"]["prompt_tokens"] == 3
 
-    with httpx.stream("POST", f"{server.url}/generate", headers=server.headers, timeout=60,
-                      json={"text": "a", "sampling_params": params, "stream": True}) as resp:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/generate",
+        headers=server.headers,
+        timeout=60,
+        json={"text": "a", "sampling_params": params, "stream": True},
+    ) as resp:
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])  # each event holds the text and ids so far, SGLang style
@@ -175,43 +212,73 @@ def test_n_seed_stop_and_logprobs(client: openai.OpenAI, model: str) -> None:
     assert [c.text for c in first.choices] == [c.text for c in again.choices]
     assert first.usage.completion_tokens == 24
 
-    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=24,
-                                       temperature=0).choices[0].text
-    start = next(k for k in range(2, len(greedy) - 3) if greedy[k:k + 3].isalpha()
-                 and greedy.index(greedy[k:k + 3]) == k)
-    stop = greedy[start:start + 3]
-    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0,
-                                    stop=[stop])
+    greedy = (
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
+        .choices[0]
+        .text
+    )
+    start = next(
+        k
+        for k in range(2, len(greedy) - 3)
+        if greedy[k : k + 3].isalpha() and greedy.index(greedy[k : k + 3]) == k
+    )
+    stop = greedy[start : start + 3]
+    cut = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop]
+    )
     assert cut.choices[0].text == greedy[:start]
     assert cut.choices[0].finish_reason == "stop"
 
-    lp = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
-                                   logprobs=3).choices[0].logprobs
+    lp = (
+        client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3
+        )
+        .choices[0]
+        .logprobs
+    )
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
         assert 1 <= len(top) <= 3
         assert chosen == pytest.approx(max(top.values()))  # greedy picks the top token
 
     chat = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
     )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens == 5
     assert all(len(c.top_logprobs) == 2 for c in content)
 
 
-def test_a_stop_string_ends_the_request_in_the_scheduler_too(client: openai.OpenAI, model: str,
-                                                            server: ServerProcess) -> None:
+def test_a_stop_string_ends_the_request_in_the_scheduler_too(
+    client: openai.OpenAI, model: str, server: ServerProcess
+) -> None:
     # The scheduler sees ids only: the tokenizer side, which matched the stop string, aborts
     # the request there, which frees its KV slots long before max_tokens.
-    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=24,
-                                       temperature=0).choices[0].text
-    stop = next(greedy[k:k + 3] for k in range(2, len(greedy) - 3)
-                if greedy[k:k + 3].isalpha() and greedy.index(greedy[k:k + 3]) == k)
+    greedy = (
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
+        .choices[0]
+        .text
+    )
+    stop = next(
+        greedy[k : k + 3]
+        for k in range(2, len(greedy) - 3)
+        if greedy[k : k + 3].isalpha() and greedy.index(greedy[k : k + 3]) == k
+    )
     before = server.info()["scheduler"]["generated_tokens"]
-    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=1900, temperature=0,
-                                    stop=[stop], extra_body={"ignore_eos": True})
+    cut = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=1900,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < 24
     assert _wait_for(lambda: server.info()["scheduler"]["running_requests"] == 0)
     assert server.info()["scheduler"]["generated_tokens"] - before < 100
@@ -223,8 +290,13 @@ def test_64_concurrent_streams(server: ServerProcess, model: str) -> None:
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str | None]:
         stream = await client.completions.create(
-            model=model, prompt=f"Story {i}: the garden", max_tokens=asked[i],
-            temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+            model=model,
+            prompt=f"Story {i}: the garden",
+            max_tokens=asked[i],
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
         usage, finish = None, None
@@ -235,8 +307,9 @@ def test_64_concurrent_streams(server: ServerProcess, model: str) -> None:
         return usage.completion_tokens, finish
 
     async def run() -> list[tuple[int, str | None]]:
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY,
-                                      max_retries=0, timeout=120) as client:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120
+        ) as client:
             return await asyncio.gather(*(one(client, i) for i in range(64)))
 
     results = asyncio.run(run())
@@ -250,28 +323,73 @@ def test_64_concurrent_streams(server: ServerProcess, model: str) -> None:
 
 def test_null_means_the_default(server: ServerProcess) -> None:
     # As in the OpenAI API: an optional field sent as null is as if not sent.
-    plain = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": None,
-                                             "temperature": None, "top_p": None, "n": None,
-                                             "stop": None, "seed": None, "logprobs": None,
-                                             "stream_options": None, "top_k": None})
+    plain = post(
+        server,
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 3,
+            "stream": None,
+            "temperature": None,
+            "top_p": None,
+            "n": None,
+            "stop": None,
+            "seed": None,
+            "logprobs": None,
+            "stream_options": None,
+            "top_k": None,
+        },
+    )
     assert plain.status_code == 200, plain.text
     assert plain.json()["usage"]["completion_tokens"] == 3
     assert plain.json()["choices"][0]["logprobs"] is None
-    chat = post(server, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": None,
-        "top_logprobs": None, "stream": None, "ignore_eos": None, "max_completion_tokens": None,
-    })
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3,
+            "logprobs": None,
+            "top_logprobs": None,
+            "stream": None,
+            "ignore_eos": None,
+            "max_completion_tokens": None,
+        },
+    )
     assert chat.status_code == 200, chat.text
     assert chat.json()["choices"][0]["logprobs"] is None
-    native = post(server, "/generate", {"text": "hi", "stream": None, "sampling_params": {
-        "max_new_tokens": 3, "temperature": None, "stop": None, "ignore_eos": None}})
+    native = post(
+        server,
+        "/generate",
+        {
+            "text": "hi",
+            "stream": None,
+            "sampling_params": {
+                "max_new_tokens": 3,
+                "temperature": None,
+                "stop": None,
+                "ignore_eos": None,
+            },
+        },
+    )
     assert native.status_code == 200, native.text
 
 
 def test_seeds_use_all_64_bits(server: ServerProcess) -> None:
     def ids(seed: int) -> list[int]:
-        resp = post(server, "/generate", {"text": PROMPT, "sampling_params": {
-            "max_new_tokens": 12, "temperature": 1.0, "seed": seed, "ignore_eos": True}})
+        resp = post(
+            server,
+            "/generate",
+            {
+                "text": PROMPT,
+                "sampling_params": {
+                    "max_new_tokens": 12,
+                    "temperature": 1.0,
+                    "seed": seed,
+                    "ignore_eos": True,
+                },
+            },
+        )
         assert resp.status_code == 200, resp.text
         return resp.json()["output_ids"]
 
@@ -282,8 +400,13 @@ def test_seeds_use_all_64_bits(server: ServerProcess) -> None:
 
 def test_choices_of_a_seed_near_the_top_of_the_range(server: ServerProcess) -> None:
     seed = 2**63 - 1  # seed + choice would not be a 64-bit integer
-    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "ignore_eos": True,
-            "seed": seed}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "seed": seed,
+    }
     resp = post(server, "/v1/completions", {**body, "n": 3})
     assert resp.status_code == 200, resp.text
     texts = [c["text"] for c in resp.json()["choices"]]
@@ -297,10 +420,12 @@ def test_choices_of_a_seed_near_the_top_of_the_range(server: ServerProcess) -> N
 def test_a_body_over_the_limit_is_413_before_it_is_read(server: ServerProcess) -> None:
     # A 64 MiB body is announced and none of it sent: the answer comes from the headers alone.
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: srt\r\n"
-                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
-                     b"Content-Type: application/json\r\n"
-                     b"Content-Length: " + str(64 << 20).encode() + b"\r\n\r\n{")
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: srt\r\n"
+            b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: " + str(64 << 20).encode() + b"\r\n\r\n{"
+        )
         status_line = conn.recv(4096).split(b"\r\n", 1)[0]
     assert status_line.split()[1] == b"413", status_line
     ok = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
@@ -329,14 +454,26 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "max_completion_tokens": 10**9}, "context length"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "model": "nope"}, "does not exist"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "top_logprobs": 2}, "logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "presence_penalty": 0.5}, "presence_penalty is not supported"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9},
+        "context length",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "model": "nope"},
+        "does not exist",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        "logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5},
+        "presence_penalty is not supported",
+    ),
     ("/generate", {"input_ids": [-1]}, "invalid token id"),
     ("/generate", {"input_ids": [1, 2], "text": "hi"}, "exactly one"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens"),
@@ -345,8 +482,11 @@ BAD_REQUESTS = [
     # Integers far out of range are bounded here (a top_k past int64 used to kill the
     # scheduler process, and the server with it).
     ("/v1/completions", {"prompt": "hi", "top_k": 2**63}, "top_k must be -1 or in [1, 512]"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "top_k": 2**63}, "top_k must be -1 or in [1, 512]"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_k": 2**63},
+        "top_k must be -1 or in [1, 512]",
+    ),
     ("/generate", {"text": "hi", "sampling_params": {"top_k": 2**63}}, "top_k"),
     ("/generate", {"text": "hi", "sampling_params": {"top_k": 513}}, "top_k"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed must be a 64-bit integer"),
@@ -354,44 +494,75 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 10**20}, "logprobs must be in [0, 20]"),
     ("/v1/completions", {"prompt": "hi", "n": 10**20}, "n"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2**64}, "context length"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "top_logprobs": 10**20, "logprobs": True}, "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 10**20, "logprobs": True},
+        "top_logprobs",
+    ),
     # Text that no tokenizer can encode.
     ("/v1/completions", {"prompt": "hi \ud800"}, "the prompt is not valid Unicode"),
     ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "the prompt is not valid Unicode"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]},
-     "a message is not valid Unicode"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "\ud83d"}]}]}, "a message is not valid Unicode"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a\ud800b"}]},
+        "a message is not valid Unicode",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]},
+        "a message is not valid Unicode",
+    ),
     ("/generate", {"text": "\ud800"}, "the prompt is not valid Unicode"),
     ("/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, "stop must be valid Unicode"),
     # Booleans are booleans on /generate as on /v1 (a string "false" acted as true).
-    ("/generate", {"text": "hi", "sampling_params": {"skip_special_tokens": "false"}},
-     "skip_special_tokens must be a boolean"),
-    ("/generate", {"text": "hi", "sampling_params": {"ignore_eos": "false"}},
-     "ignore_eos must be a boolean"),
-    ("/generate", {"text": "hi", "sampling_params": {"logprobs": "false"}},
-     "logprobs must be a boolean"),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"skip_special_tokens": "false"}},
+        "skip_special_tokens must be a boolean",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"ignore_eos": "false"}},
+        "ignore_eos must be a boolean",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"logprobs": "false"}},
+        "logprobs must be a boolean",
+    ),
     ("/generate", {"text": "hi", "sampling_params": {"logprobs": 1}}, "logprobs"),
     ("/generate", {"text": "hi", "sampling_params": "fast"}, "sampling_params"),
     ("/generate", {"text": "hi", "stream": "false"}, "stream"),
     # Size bounds: stop strings (count and length) and the prompt, counted in characters
     # before anything is tokenized.
-    ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(65)]},
-     "stop takes at most 64 strings"),
-    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 1025]},
-     "stop strings must be at most 1024 characters"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "stop": [f"s{i}" for i in range(65)]},
+        "stop takes at most 64 strings",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "stop": ["x" * 1025]},
+        "stop strings must be at most 1024 characters",
+    ),
     ("/v1/completions", {"prompt": HUGE_PROMPT}, "the prompt has 200000 characters"),
     ("/generate", {"text": HUGE_PROMPT}, "the prompt has 200000 characters"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": HUGE_PROMPT}]},
-     "a message has 200000 characters"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": HUGE_PROMPT}]},
+        "a message has 200000 characters",
+    ),
 ]
 
 
-@pytest.mark.parametrize("path,body,message", BAD_REQUESTS,
-                         ids=[f"{p}:{m}" for p, _, m in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    "path,body,message", BAD_REQUESTS, ids=[f"{p}:{m}" for p, _, m in BAD_REQUESTS]
+)
 def test_bad_input_is_400_and_server_keeps_serving(
-    server: ServerProcess, path: str, body: object, message: str,
+    server: ServerProcess,
+    path: str,
+    body: object,
+    message: str,
 ) -> None:
     if isinstance(body, bytes):
         resp = post(server, path, content=body)
@@ -422,8 +593,9 @@ SAME_RULES = [
 
 
 @pytest.mark.parametrize("request_body", SAME_RULES, ids=range(len(SAME_RULES)))
-def test_engine_and_server_share_one_front_end(server: ServerProcess, engine: Engine,
-                                               request_body: dict) -> None:
+def test_engine_and_server_share_one_front_end(
+    server: ServerProcess, engine: Engine, request_body: dict
+) -> None:
     """Engine.generate and /generate refuse the same requests with the same words."""
     kwargs = dict(request_body)
     if "text" in kwargs:
@@ -435,8 +607,9 @@ def test_engine_and_server_share_one_front_end(server: ServerProcess, engine: En
     assert resp.json()["error"]["message"] == str(refused.value)
 
 
-def test_engine_and_server_resolve_an_unset_max_new_tokens_alike(server: ServerProcess,
-                                                                  engine: Engine) -> None:
+def test_engine_and_server_resolve_an_unset_max_new_tokens_alike(
+    server: ServerProcess, engine: Engine
+) -> None:
     ids = list(range(1, 300)) * 6 + list(range(1, 200))  # 1993 of 2048 tokens: 55 are left
     params = {"temperature": 0, "ignore_eos": True}
     want = engine.generate(input_ids=ids, sampling_params=params)
@@ -457,10 +630,16 @@ def _wait_for(predicate, timeout: float = 10.0) -> bool:
 def test_disconnect_mid_stream_frees_kv(server: ServerProcess) -> None:
     max_tokens = 1900  # far more than can finish in the test's lifetime of the stream
     before = server.info()["scheduler"]
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
-                      headers=server.headers, timeout=60) as resp:
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=60
+    ) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         for _ in range(5):
@@ -483,7 +662,8 @@ def test_server_info_and_metrics(server: ServerProcess) -> None:
     procs = info["processes"]
     assert {"tokenizer", "scheduler", "model_runner"} <= set(procs)
     assert {"load_s", "compile_s", "capture_s", "setup_s", "ready_after_s"} <= set(
-        procs["model_runner"])
+        procs["model_runner"]
+    )
     assert info["runner"]["kv_slots"] == info["scheduler"]["kv_slots_total"]
     assert info["startup_s"] > 0 and Path(info["ipc_dir"]).is_dir()
 
@@ -498,6 +678,12 @@ def test_server_info_and_metrics(server: ServerProcess) -> None:
     assert samples["srt_prompt_tokens_total"] > 0
     assert samples["srt_time_to_first_token_seconds_count"] > 0
     assert samples["srt_inter_token_latency_seconds_count"] > 0
-    for gauge in ("srt_running_requests", "srt_queued_requests", "srt_kv_cache_usage_ratio",
-                  "srt_captured_buckets", "srt_compile_seconds", "srt_startup_seconds"):
+    for gauge in (
+        "srt_running_requests",
+        "srt_queued_requests",
+        "srt_kv_cache_usage_ratio",
+        "srt_captured_buckets",
+        "srt_compile_seconds",
+        "srt_startup_seconds",
+    ):
         assert gauge in samples

@@ -26,8 +26,7 @@ def _wait_exit(srv: ServerProcess, timeout: float) -> tuple[int, float]:
 
 
 def _start(tiny_llama: Path, tmp_path: Path, script: bool = False) -> ServerProcess:
-    return ServerProcess(["--model-path", str(tiny_llama)], tmp_path / "server.log",
-                         script=script)
+    return ServerProcess(["--model-path", str(tiny_llama)], tmp_path / "server.log", script=script)
 
 
 def _read_stream(srv: ServerProcess, events: list[str], started: threading.Event) -> None:
@@ -41,8 +40,7 @@ def _read_stream(srv: ServerProcess, events: list[str], started: threading.Event
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path, sig: signal.Signals
-                                     ) -> None:
+def test_a_signal_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path, sig: signal.Signals) -> None:
     srv = _start(tiny_llama, tmp_path, script=True)  # `python launch_server.py`
     try:
         # Until the children are ready, /v1/models answers 503 like the other endpoints. A
@@ -64,10 +62,15 @@ def test_a_signal_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path, sig: sign
         assert httpx.get(f"{srv.url}/v1/models").status_code == 200
         info = srv.info()
         children = child_pids(srv.proc.pid)
-        assert {info["processes"]["scheduler"]["pid"],
-                info["processes"]["model_runner"]["pid"]} <= set(children)
-        ok = httpx.post(f"{srv.url}/generate", timeout=30,
-                        json={"text": "hi", "sampling_params": {"max_new_tokens": 3}})
+        assert {
+            info["processes"]["scheduler"]["pid"],
+            info["processes"]["model_runner"]["pid"],
+        } <= set(children)
+        ok = httpx.post(
+            f"{srv.url}/generate",
+            timeout=30,
+            json={"text": "hi", "sampling_params": {"max_new_tokens": 3}},
+        )
         assert ok.json()["meta_info"]["completion_tokens"] == 3
 
         # Open streams at the signal each get a final error event and [DONE].
@@ -90,8 +93,13 @@ def test_a_signal_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path, sig: sign
         assert not still_alive(children)
         assert not Path(info["ipc_dir"]).exists()
         log = srv.log()
-        for line in ("model_runner ready after", "scheduler ready after", "server ready in",
-                     f"received {sig.name}", "server stopped"):
+        for line in (
+            "model_runner ready after",
+            "scheduler ready after",
+            "server ready in",
+            f"received {sig.name}",
+            "server stopped",
+        ):
             assert line in log, log
         # One line for the streams it ended, not a traceback each.
         assert log.count("shutting down: ended 3 sequence(s) in flight") == 1, log
@@ -143,8 +151,10 @@ def test_tokenizing_does_not_hold_up_the_event_loop(tiny_llama: Path, tmp_path: 
     event loop: /health and other requests are answered meanwhile."""
     model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
     template = model / "chat_template.jinja"
-    slow = ("{% if messages[0]['content'] == 'slow' %}{% for i in range(100000) %}"
-            "{% for j in range(300) %}{% endfor %}{% endfor %}{% endif %}")
+    slow = (
+        "{% if messages[0]['content'] == 'slow' %}{% for i in range(100000) %}"
+        "{% for j in range(300) %}{% endfor %}{% endfor %}{% endif %}"
+    )
     template.write_text(slow + template.read_text())
     srv = ServerProcess(["--model-path", str(model)], tmp_path / "server.log")
     try:
@@ -155,8 +165,11 @@ def test_tokenizing_does_not_hold_up_the_event_loop(tiny_llama: Path, tmp_path: 
         def slow_request() -> None:
             # Refused once prepared (it asks for more than the context), so that its answer
             # follows the slow part at once, with no generation to wait for.
-            resp = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
-                "messages": [{"role": "user", "content": "slow"}], "max_tokens": 10**6})
+            resp = httpx.post(
+                f"{srv.url}/v1/chat/completions",
+                timeout=120,
+                json={"messages": [{"role": "user", "content": "slow"}], "max_tokens": 10**6},
+            )
             slow_status.append(resp.status_code)
             done.set()
 
@@ -179,21 +192,38 @@ def test_tokenizing_does_not_hold_up_the_event_loop(tiny_llama: Path, tmp_path: 
 
 
 def _launch(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "srt.launch_server", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "srt.launch_server", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--max-total-tokens", "0"], "argument --max-total-tokens: must be a positive integer, got 0"),
-    (["--context-length", "-5"], "argument --context-length: must be a positive integer, got -5"),
-    (["--max-running-requests", "0"], "argument --max-running-requests: must be a positive"),
-    (["--port", "70000"], "argument --port: must be in [1, 65535], got 70000"),
-    (["--port", "0"], "argument --port: must be in [1, 65535], got 0"),
-    (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
-    (["--device", "tpu"], "argument --device: must be cpu, cuda or auto, got 'tpu'"),
-    pytest.param(["--device", "cuda"], "argument --device: cuda: CUDA is not available",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--max-total-tokens", "0"],
+            "argument --max-total-tokens: must be a positive integer, got 0",
+        ),
+        (
+            ["--context-length", "-5"],
+            "argument --context-length: must be a positive integer, got -5",
+        ),
+        (["--max-running-requests", "0"], "argument --max-running-requests: must be a positive"),
+        (["--port", "70000"], "argument --port: must be in [1, 65535], got 70000"),
+        (["--port", "0"], "argument --port: must be in [1, 65535], got 0"),
+        (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+        (["--device", "tpu"], "argument --device: must be cpu, cuda or auto, got 'tpu'"),
+        pytest.param(
+            ["--device", "cuda"],
+            "argument --device: cuda: CUDA is not available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here"),
+        ),
+    ],
+)
 def test_a_bad_flag_fails_before_anything_starts(args: list[str], message: str) -> None:
     result = _launch(["--port", str(free_port()), *args])
     assert result.returncode == 2, result.stderr
@@ -216,8 +246,10 @@ def test_a_port_in_use_fails_at_once_naming_it(tiny_llama: Path) -> None:
         result = _launch(["--model-path", str(tiny_llama), "--port", str(port)])
         took = time.monotonic() - start
     assert result.returncode == 2, result.stderr
-    assert f"error: argument --port: cannot listen on 127.0.0.1:{port}: Address already in use" \
-        in result.stderr, result.stderr
+    assert (
+        f"error: argument --port: cannot listen on 127.0.0.1:{port}: Address already in use"
+        in result.stderr
+    ), result.stderr
     # The port is bound before torch or the model are loaded: it fails in well under a second
     # on an idle machine (5 s leaves room for a loaded CI runner, and is still less than what
     # importing torch, spawning the children and loading the tokenizer took before).
@@ -225,18 +257,22 @@ def test_a_port_in_use_fails_at_once_naming_it(tiny_llama: Path) -> None:
     assert "model_runner" not in result.stderr
 
 
-def test_a_model_without_tokenizer_files_fails_in_one_line(tiny_llama: Path,
-                                                           tmp_path: Path) -> None:
+def test_a_model_without_tokenizer_files_fails_in_one_line(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
     model = Path(shutil.copytree(tiny_llama, tmp_path / "no-tokenizer"))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (model / name).unlink()
     # A context past the model's positions is a warning, given before that failure.
-    result = _launch(["--model-path", str(model), "--port", str(free_port()),
-                      "--context-length", "4096"])
+    result = _launch(
+        ["--model-path", str(model), "--port", str(free_port()), "--context-length", "4096"]
+    )
     assert result.returncode == 1, result.stderr
     lines = result.stderr.strip().splitlines()
     errors = [line for line in lines if " ERROR " in line]
     assert len(errors) == 1 and f"{model} has no tokenizer files" in errors[0], result.stderr
     assert "Traceback" not in result.stderr and "model_runner" not in result.stderr
-    assert any("--context-length 4096 is larger than the model's max_position_embeddings 2048"
-               in line for line in lines), result.stderr
+    assert any(
+        "--context-length 4096 is larger than the model's max_position_embeddings 2048" in line
+        for line in lines
+    ), result.stderr

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import shlex
 import statistics
 import tempfile
@@ -41,8 +42,12 @@ from srt.tools.model_shapes import MODEL_SHAPES, write_model_shape
 
 logger = logging.getLogger("srt.bench.cold_start")
 
-_TCPW_INDUCTOR = ["--cuda-graph-backend-decode", "tc_piecewise",
-                  "--cuda-graph-tc-compiler", "inductor"]
+_TCPW_INDUCTOR = [
+    "--cuda-graph-backend-decode",
+    "tc_piecewise",
+    "--cuda-graph-tc-compiler",
+    "inductor",
+]
 PRESETS: dict[str, list[str]] = {
     "nographs": ["--disable-cuda-graph"],
     "full-lazy": ["--cuda-graph-backend-decode", "full", "--cuda-graph-capture", "lazy"],
@@ -89,8 +94,9 @@ def startup_breakdown(ready_s: float, info: dict[str, Any]) -> dict[str, float |
         "runner_inductor_s": compile_info.get("compile_s"),
         "runner_kv_alloc_s": runner_info.get("kv_alloc_s"),
         "runner_upfront_capture_s": captured,
-        "runner_other_setup_s": diff(setup, runner_info.get("load_s"),
-                                     runner_info.get("kv_alloc_s", 0.0), compiled, captured),
+        "runner_other_setup_s": diff(
+            setup, runner_info.get("load_s"), runner_info.get("kv_alloc_s", 0.0), compiled, captured
+        ),
         "scheduler_ready_after_s": sched.get("ready_after_s"),
         "scheduler_spawn_imports_s": diff(sched.get("ready_after_s"), sched.get("setup_s")),
         "scheduler_setup_s": sched.get("setup_s"),
@@ -111,8 +117,7 @@ def second_token_s(records: list[RequestRecord]) -> list[float]:
 def bucket_of(graphs: dict[str, Any], batch: int) -> dict[str, Any]:
     """The server's record of the decode bucket that holds `batch` (empty when decode
     captures nothing)."""
-    buckets = sorted((graphs.get("decode") or {}).get("buckets") or [],
-                     key=lambda b: b["bucket"])
+    buckets = sorted((graphs.get("decode") or {}).get("buckets") or [], key=lambda b: b["bucket"])
     return next((b for b in buckets if b["bucket"] >= batch), {})
 
 
@@ -127,21 +132,30 @@ class Traffic:
     def send(self, num: int, output_len: int, concurrency: int) -> list[RequestRecord]:
         self.seed += 1
         specs = random_requests(num, self.ns.input_len, output_len, self.vocab, seed=self.seed)
-        records = asyncio.run(run_load(self.url, specs, max_concurrency=concurrency,
-                                       timeout_s=self.ns.request_timeout, progress=False))
+        records = asyncio.run(
+            run_load(
+                self.url,
+                specs,
+                max_concurrency=concurrency,
+                timeout_s=self.ns.request_timeout,
+                progress=False,
+            )
+        )
         self.records += records
         return records
 
 
-def measure_start(name: str, flags: list[str], cache: Path, state: str, ns: argparse.Namespace,
-                  log_dir: Path) -> dict[str, Any]:
+def measure_start(
+    name: str, flags: list[str], cache: Path, state: str, ns: argparse.Namespace, log_dir: Path
+) -> dict[str, Any]:
     """One server start and its traffic; the figures of one (configuration, cache) row."""
-    env = {"TRITON_CACHE_DIR": str(cache / "triton"),
-           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    env = {
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+    }
     log = log_dir / f"{name}-{state}.log"
     row: dict[str, Any] = {"config": name, "flags": flags, "cache": state, "log": str(log)}
-    with ServerProcess([*flags, "--compile-cache-dir", str(cache / "srt")], log,
-                       env=env) as server:
+    with ServerProcess([*flags, "--compile-cache-dir", str(cache / "srt")], log, env=env) as server:
         try:
             ready_s = server.wait_ready(ns.ready_timeout)
         except (RuntimeError, TimeoutError) as e:
@@ -154,8 +168,13 @@ def measure_start(name: str, flags: list[str], cache: Path, state: str, ns: argp
         first = traffic.send(1, ns.burst_output_len, 1)
         bursts = []
         for b in ns.bursts:  # the first burst of a size hits its bucket first; then again
-            bursts.append((b, traffic.send(b, ns.burst_output_len, b),
-                           traffic.send(b, ns.burst_output_len, b)))
+            bursts.append(
+                (
+                    b,
+                    traffic.send(b, ns.burst_output_len, b),
+                    traffic.send(b, ns.burst_output_len, b),
+                )
+            )
         steady_runs = {}
         for c in ns.steady_concurrency:
             records = traffic.send(c * ns.steady_rounds, ns.steady_output_len, c)
@@ -166,38 +185,49 @@ def measure_start(name: str, flags: list[str], cache: Path, state: str, ns: argp
     for b, hit, again in bursts:
         t2t_first, t2t_again = median_ms(second_token_s(hit)), median_ms(second_token_s(again))
         record = bucket_of(after.get("graphs") or {}, b)
-        buckets.append({
-            "batch": b, "t2t_first_ms": t2t_first, "t2t_again_ms": t2t_again,
-            "excess_ms": round(t2t_first - t2t_again, 3)
-            if t2t_first is not None and t2t_again is not None else None,
-            "steady_itl_ms": median_ms([g for r in again if r.ok for g in r.itl_s]),
-            "server_bucket": record.get("bucket"), "server_capture_ms": record.get("capture_ms"),
-        })
+        buckets.append(
+            {
+                "batch": b,
+                "t2t_first_ms": t2t_first,
+                "t2t_again_ms": t2t_again,
+                "excess_ms": round(t2t_first - t2t_again, 3)
+                if t2t_first is not None and t2t_again is not None
+                else None,
+                "steady_itl_ms": median_ms([g for r in again if r.ok for g in r.itl_s]),
+                "server_bucket": record.get("bucket"),
+                "server_capture_ms": record.get("capture_ms"),
+            }
+        )
     runner = after["runner"]
     errors = [r.error for r in traffic.records if not r.ok]
-    row.update({
-        "ready_s": round(ready_s, 3),
-        "breakdown": startup_breakdown(ready_s, info),
-        "ttft_first_ms": median_ms([r.ttft_s for r in first if r.ok and r.ttft_s]),
-        "ttft_later_ms": median_ms([r.ttft_s for r in later if r.ok and r.ttft_s]),
-        "t2t_first_ms": median_ms(second_token_s(first)),
-        "t2t_later_ms": median_ms(second_token_s(later)),
-        "buckets": buckets,
-        "steady": steady_runs,
-        "compile": {k: after["compile"].get(k) for k in ("dynamo_s", "compile_s", "total_s",
-                                                         "cache_hit")},
-        "graph_pool": runner.get("graph_pool"),
-        "graphs": after.get("graphs"),
-        "requests": len(traffic.records),
-        "errors": len(errors),
-        "error_samples": sorted(set(e for e in errors if e))[:5],
-        "timeline": timeline(traffic.records, ready_at, ns.timeline_s),
-    })
+    row.update(
+        {
+            "ready_s": round(ready_s, 3),
+            "breakdown": startup_breakdown(ready_s, info),
+            "ttft_first_ms": median_ms([r.ttft_s for r in first if r.ok and r.ttft_s]),
+            "ttft_later_ms": median_ms([r.ttft_s for r in later if r.ok and r.ttft_s]),
+            "t2t_first_ms": median_ms(second_token_s(first)),
+            "t2t_later_ms": median_ms(second_token_s(later)),
+            "buckets": buckets,
+            "steady": steady_runs,
+            "compile": {
+                k: after["compile"].get(k)
+                for k in ("dynamo_s", "compile_s", "total_s", "cache_hit")
+            },
+            "graph_pool": runner.get("graph_pool"),
+            "graphs": after.get("graphs"),
+            "requests": len(traffic.records),
+            "errors": len(errors),
+            "error_samples": sorted(set(e for e in errors if e))[:5],
+            "timeline": timeline(traffic.records, ready_at, ns.timeline_s),
+        }
+    )
     return row
 
 
-def timeline(records: list[RequestRecord], ready_at: float, horizon_s: float
-             ) -> dict[str, list[float]]:
+def timeline(
+    records: list[RequestRecord], ready_at: float, horizon_s: float
+) -> dict[str, list[float] | list[bool]]:
     """Every token's latency (ms: TTFT for a first token, else the gap since the previous
     event of its stream) against its arrival (s since ready), for the first `horizon_s`."""
     t: list[float] = []
@@ -225,25 +255,44 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     ok = [r for r in rows if "ready_s" in r]
     names = list(dict.fromkeys(r["config"] for r in ok))
-    fig, axes = plt.subplot_mosaic([["ready", "ready"], list(CACHE_STATES)], figsize=(13, 9),
-                                   layout="constrained")
+    fig, axes = plt.subplot_mosaic(
+        [["ready", "ready"], list(CACHE_STATES)], figsize=(13, 9), layout="constrained"
+    )
     top = axes["ready"]
     width = 0.38
     for k, state in enumerate(CACHE_STATES):
-        ready = [next((r["ready_s"] for r in ok if r["config"] == n and r["cache"] == state),
-                      0.0) for n in names]
-        bars = top.bar([i + (k - 0.5) * width for i in range(len(names))], ready, width,
-                       label=f"ready, {state} cache")
+        ready = [
+            next((r["ready_s"] for r in ok if r["config"] == n and r["cache"] == state), 0.0)
+            for n in names
+        ]
+        bars = top.bar(
+            [i + (k - 0.5) * width for i in range(len(names))],
+            ready,
+            width,
+            label=f"ready, {state} cache",
+        )
         top.bar_label(bars, fmt="%.1f s", fontsize=8)
     top.set_xticks(range(len(names)), names)
     top.set_ylabel("launch to /health 200 (s)")
     top.set_ylim(0, 1.35 * max((r["ready_s"] for r in ok), default=1.0))  # room for the legend
     itl = top.twinx()
     level = str(min(int(c) for r in ok for c in r["steady"])) if ok else "1"
-    itl.plot(range(len(names)),
-             [next((r["steady"][level]["itl_ms"]["p50"] for r in ok if r["config"] == n
-                    and r["cache"] == "warm" and level in r["steady"]), None) for n in names],
-             "kD", label=f"steady ITL p50 at concurrency {level} (warm)")
+    itl.plot(
+        range(len(names)),
+        [
+            next(
+                (
+                    r["steady"][level]["itl_ms"]["p50"]
+                    for r in ok
+                    if r["config"] == n and r["cache"] == "warm" and level in r["steady"]
+                ),
+                math.nan,  # no point drawn
+            )
+            for n in names
+        ],
+        "kD",
+        label=f"steady ITL p50 at concurrency {level} (warm)",
+    )
     itl.set_ylabel("ITL p50 (ms)")
     itl.set_ylim(bottom=0)
     handles = top.get_legend_handles_labels()[0] + itl.get_legend_handles_labels()[0]
@@ -263,17 +312,33 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-TABLE = [("config", "config"), ("cache", "cache"), ("ready s", "ready_s"),
-         ("load s", "runner_load_s"), ("compile s", "compile_total_s"),
-         ("upfront capture s", "runner_upfront_capture_s"), ("TTFT 1st ms", "ttft_first_ms"),
-         ("TTFT later ms", "ttft_later_ms"), ("worst new-bucket excess ms", "worst_excess_ms"),
-         ("ITL p50 c1", "itl_p50_c1"), ("ITL p99 c1", "itl_p99_c1"),
-         ("ITL p50 cmax", "itl_p50_cmax"), ("graph MiB", "graph_mib"), ("errors", "errors")]
-BUCKET_TABLE = [("config", "config"), ("cache", "cache"), ("batch", "batch"),
-                ("2nd token, 1st burst ms", "t2t_first_ms"),
-                ("2nd token, again ms", "t2t_again_ms"), ("excess ms", "excess_ms"),
-                ("steady ITL ms", "steady_itl_ms"), ("bucket", "server_bucket"),
-                ("server capture ms", "server_capture_ms")]
+TABLE = [
+    ("config", "config"),
+    ("cache", "cache"),
+    ("ready s", "ready_s"),
+    ("load s", "runner_load_s"),
+    ("compile s", "compile_total_s"),
+    ("upfront capture s", "runner_upfront_capture_s"),
+    ("TTFT 1st ms", "ttft_first_ms"),
+    ("TTFT later ms", "ttft_later_ms"),
+    ("worst new-bucket excess ms", "worst_excess_ms"),
+    ("ITL p50 c1", "itl_p50_c1"),
+    ("ITL p99 c1", "itl_p99_c1"),
+    ("ITL p50 cmax", "itl_p50_cmax"),
+    ("graph MiB", "graph_mib"),
+    ("errors", "errors"),
+]
+BUCKET_TABLE = [
+    ("config", "config"),
+    ("cache", "cache"),
+    ("batch", "batch"),
+    ("2nd token, 1st burst ms", "t2t_first_ms"),
+    ("2nd token, again ms", "t2t_again_ms"),
+    ("excess ms", "excess_ms"),
+    ("steady ITL ms", "steady_itl_ms"),
+    ("bucket", "server_bucket"),
+    ("server capture ms", "server_capture_ms"),
+]
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -285,39 +350,74 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         levels = sorted(r["steady"], key=int)
         excess = [b["excess_ms"] for b in r["buckets"] if b["excess_ms"] is not None]
         pool = (r.get("graph_pool") or {}).get("pool_bytes") or 0
-        out.append({**r, **r["breakdown"],
-                    "compile_total_s": r["compile"]["total_s"],
-                    "worst_excess_ms": max(excess) if excess else None,
-                    "itl_p50_c1": r["steady"][levels[0]]["itl_ms"]["p50"],
-                    "itl_p99_c1": r["steady"][levels[0]]["itl_ms"]["p99"],
-                    "itl_p50_cmax": r["steady"][levels[-1]]["itl_ms"]["p50"],
-                    "graph_mib": round(pool / 2**20, 1)})
+        out.append(
+            {
+                **r,
+                **r["breakdown"],
+                "compile_total_s": r["compile"]["total_s"],
+                "worst_excess_ms": max(excess) if excess else None,
+                "itl_p50_c1": r["steady"][levels[0]]["itl_ms"]["p50"],
+                "itl_p99_c1": r["steady"][levels[0]]["itl_ms"]["p99"],
+                "itl_p50_cmax": r["steady"][levels[-1]]["itl_ms"]["p50"],
+                "graph_mib": round(pool / 2**20, 1),
+            }
+        )
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m srt.bench.cold_start",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m srt.bench.cold_start", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--model-path", help="A checkpoint on disk (the honest case).")
-    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES),
-                        help="A published shape with random weights drawn on the device.")
-    parser.add_argument("--configs", nargs="+", default=list(PRESETS),
-                        help=f"Presets to run: {', '.join(PRESETS)} (default: all).")
-    parser.add_argument("--config", action="append", type=parse_config, default=[],
-                        metavar="NAME=FLAGS", help="Another configuration (repeatable).")
+    parser.add_argument(
+        "--model-shape",
+        choices=sorted(MODEL_SHAPES),
+        help="A published shape with random weights drawn on the device.",
+    )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(PRESETS),
+        help=f"Presets to run: {', '.join(PRESETS)} (default: all).",
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        type=parse_config,
+        default=[],
+        metavar="NAME=FLAGS",
+        help="Another configuration (repeatable).",
+    )
     parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--bursts", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
-                        help="Concurrent streams per burst; each size is sent twice.")
+    parser.add_argument(
+        "--bursts",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8, 16, 32],
+        help="Concurrent streams per burst; each size is sent twice.",
+    )
     parser.add_argument("--burst-output-len", type=int, default=16)
     parser.add_argument("--steady-concurrency", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--steady-rounds", type=int, default=2,
-                        help="Requests per steady level: this many times the concurrency.")
+    parser.add_argument(
+        "--steady-rounds",
+        type=int,
+        default=2,
+        help="Requests per steady level: this many times the concurrency.",
+    )
     parser.add_argument("--steady-output-len", type=int, default=64)
-    parser.add_argument("--timeline-s", type=float, default=60.0,
-                        help="How much of the first traffic the timeline keeps.")
-    parser.add_argument("--cache-root", type=Path,
-                        help="Where each configuration's caches go (default: a temporary "
-                             "directory, removed at the end).")
+    parser.add_argument(
+        "--timeline-s",
+        type=float,
+        default=60.0,
+        help="How much of the first traffic the timeline keeps.",
+    )
+    parser.add_argument(
+        "--cache-root",
+        type=Path,
+        help="Where each configuration's caches go (default: a temporary "
+        "directory, removed at the end).",
+    )
     parser.add_argument("--log-dir", type=Path, help="Server logs (default: the cache root).")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--request-timeout", type=float, default=300.0)
@@ -329,8 +429,9 @@ def main(argv: list[str] | None = None) -> None:
     common = server_flags(ns)
     unknown = [c for c in ns.configs if c not in PRESETS]
     if unknown:
-        parser.error(f"--configs: unknown preset(s) {', '.join(unknown)}; "
-                     f"presets are {', '.join(PRESETS)}")
+        parser.error(
+            f"--configs: unknown preset(s) {', '.join(unknown)}; presets are {', '.join(PRESETS)}"
+        )
     if ns.model_path and ns.model_shape:
         parser.error("give --model-path or --model-shape, not both")
     if min(ns.bursts) < 1 or min(ns.steady_concurrency) < 1 or ns.steady_rounds < 1:
@@ -343,15 +444,24 @@ def main(argv: list[str] | None = None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         model = ["--model-path", ns.model_path] if ns.model_path else []
         if ns.model_shape:
-            model = ["--model-path", str(write_model_shape(ns.model_shape, Path(tmp))),
-                     "--load-format", "dummy"]
+            model = [
+                "--model-path",
+                str(write_model_shape(ns.model_shape, Path(tmp))),
+                "--load-format",
+                "dummy",
+            ]
         rows = []
         runs = [(n, f, s) for n, f in configs for s in CACHE_STATES]
         for name, flags, state in tqdm(runs, desc="server starts", unit="start"):
-            rows.append(measure_start(name, [*model, *common, *flags], root / name, state, ns,
-                                      log_dir))
-    result = {"machine": machine(), "model": ns.model_path or ns.model_shape,
-              "common_flags": common, "runs": rows}
+            rows.append(
+                measure_start(name, [*model, *common, *flags], root / name, state, ns, log_dir)
+            )
+    result = {
+        "machine": machine(),
+        "model": ns.model_path or ns.model_shape,
+        "common_flags": common,
+        "runs": rows,
+    }
     if ns.output_file:
         write_json(ns.output_file, result)
     if ns.plot:
@@ -359,8 +469,16 @@ def main(argv: list[str] | None = None) -> None:
     flat = table_rows(rows)
     print(format_table(flat, TABLE))
     print()
-    print(format_table([{"config": r["config"], "cache": r["cache"], **b}
-                        for r in rows for b in r.get("buckets", [])], BUCKET_TABLE))
+    print(
+        format_table(
+            [
+                {"config": r["config"], "cache": r["cache"], **b}
+                for r in rows
+                for b in r.get("buckets", [])
+            ],
+            BUCKET_TABLE,
+        )
+    )
 
 
 if __name__ == "__main__":

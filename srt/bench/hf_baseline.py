@@ -26,13 +26,20 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
 from srt.bench.report import append_jsonl, format_table, machine
 from srt.tools.model_shapes import MODEL_SHAPES, write_model_shape
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedModel
+
+    class CausalLM(PreTrainedModel, GenerationMixin):
+        """What AutoModelForCausalLM loads: a model that also generates."""
+
 
 logger = logging.getLogger("srt.bench.hf_baseline")
 
@@ -56,20 +63,23 @@ def timed_steps(step: Callable[[], Any], n: int, device: torch.device) -> list[f
     return times
 
 
-def load_hf_model(path: Path, random_weights: bool, dtype: torch.dtype, device: torch.device
-                  ) -> torch.nn.Module:
+def load_hf_model(
+    path: Path, random_weights: bool, dtype: torch.dtype, device: torch.device
+) -> CausalLM:
     import transformers
 
     if not random_weights:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        return model.to(device).eval()
+        # transformers wraps PreTrainedModel.to in functools.wraps, which mypy types as an
+        # unbound function wanting `self` as its first argument.
+        return model.to(device).eval()  # type: ignore[arg-type]
     config = transformers.AutoConfig.from_pretrained(path)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
 
 
-def static_cache(model: torch.nn.Module, batch: int, length: int) -> Any:
+def static_cache(model: CausalLM, batch: int, length: int) -> Any:
     """A transformers StaticCache, whichever of its two signatures this version has."""
     from transformers import StaticCache
 
@@ -80,15 +90,16 @@ def static_cache(model: torch.nn.Module, batch: int, length: int) -> Any:
     return StaticCache(**kwargs)
 
 
-def prompt(model: torch.nn.Module, batch: int, input_len: int, seed: int) -> torch.Tensor:
+def prompt(model: CausalLM, batch: int, input_len: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, input_len), generator=gen)
     return ids.to(model.device)
 
 
 @torch.inference_mode()
-def eager_decode(model: torch.nn.Module, batch: int, input_len: int, output_len: int,
-                 seed: int) -> dict[str, Any]:
+def eager_decode(
+    model: CausalLM, batch: int, input_len: int, output_len: int, seed: int
+) -> dict[str, Any]:
     """Greedy decoding, one `model(...)` call per step with the dynamic cache."""
     from transformers import DynamicCache
 
@@ -105,8 +116,9 @@ def eager_decode(model: torch.nn.Module, batch: int, input_len: int, output_len:
 
 
 @torch.inference_mode()
-def generate_static(model: torch.nn.Module, batch: int, input_len: int, output_len: int,
-                    seed: int) -> dict[str, Any]:
+def generate_static(
+    model: CausalLM, batch: int, input_len: int, output_len: int, seed: int
+) -> dict[str, Any]:
     """`generate` with `cache_implementation="static"`, uncompiled (transformers would
     otherwise compile the forward by itself; the compiled row below does that explicitly).
     A step: the time of `output_len` tokens less that of 1, over `output_len - 1`."""
@@ -116,28 +128,41 @@ def generate_static(model: torch.nn.Module, batch: int, input_len: int, output_l
     mask = torch.ones_like(ids)
 
     def run(n: int) -> float:
-        kwargs = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False,
-                  "cache_implementation": "static", "disable_compile": True,
-                  "pad_token_id": pad}
-        return timed_steps(lambda: model.generate(ids, attention_mask=mask, **kwargs), 1,
-                           model.device)[0]
+        kwargs = {
+            "max_new_tokens": n,
+            "min_new_tokens": n,
+            "do_sample": False,
+            "cache_implementation": "static",
+            "disable_compile": True,
+            "pad_token_id": pad,
+        }
+        return timed_steps(
+            lambda: model.generate(ids, attention_mask=mask, **kwargs), 1, model.device
+        )[0]
 
     first_call = run(output_len)
     long, short = run(output_len), run(1)
-    return {"decode_ms_per_step": round((long - short) / (output_len - 1) * 1000, 3),
-            "first_call_s": round(first_call, 3)}
+    return {
+        "decode_ms_per_step": round((long - short) / (output_len - 1) * 1000, 3),
+        "first_call_s": round(first_call, 3),
+    }
 
 
 @torch.inference_mode()
-def compiled_decode(model: torch.nn.Module, batch: int, input_len: int, output_len: int,
-                    seed: int) -> dict[str, Any]:
+def compiled_decode(
+    model: CausalLM, batch: int, input_len: int, output_len: int, seed: int
+) -> dict[str, Any]:
     """The decode forward compiled whole with `torch.compile(mode="reduce-overhead",
     fullgraph=True)` over a static cache, prefill eager (gpt-fast's recipe). The compile and
     capture happen in the first steps; their seconds are reported apart."""
     ids = prompt(model, batch, input_len, seed)
     cache = static_cache(model, batch, input_len + 2 * output_len)
-    logits = model(ids, past_key_values=cache, use_cache=True,
-                   cache_position=torch.arange(input_len, device=model.device)).logits
+    logits = model(
+        ids,
+        past_key_values=cache,
+        use_cache=True,
+        cache_position=torch.arange(input_len, device=model.device),
+    ).logits
 
     def decode(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         out = model(token, past_key_values=cache, use_cache=True, cache_position=position)
@@ -155,8 +180,11 @@ def compiled_decode(model: torch.nn.Module, batch: int, input_len: int, output_l
     # reduce-overhead records its CUDA graph on the call after the compiling one.
     warm = timed_steps(step, 3, model.device)
     steps = timed_steps(step, output_len - 1, model.device)
-    return {"decode_ms_per_step": round(statistics.median(steps) * 1000, 3),
-            "compile_s": round(warm[0], 3), "first_calls_ms": [round(t * 1000, 3) for t in warm]}
+    return {
+        "decode_ms_per_step": round(statistics.median(steps) * 1000, 3),
+        "compile_s": round(warm[0], 3),
+        "first_calls_ms": [round(t * 1000, 3) for t in warm],
+    }
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
@@ -168,17 +196,17 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def floor_weight_bytes(model: torch.nn.Module) -> int:
+def floor_weight_bytes(model: CausalLM) -> int:
     """Bytes one decode step must read: every parameter, but of an untied input embedding
     only the rows of the batch (counted as none)."""
     embed = model.get_input_embeddings().weight
     tied = model.config.tie_word_embeddings
-    return sum(p.numel() * p.element_size() for p in model.parameters()
-               if tied or p is not embed)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not embed)
 
 
-def matmul_chain(config: Any, batch: int, dtype: torch.dtype, device: torch.device,
-                 reps: int = 50) -> dict[str, Any]:
+def matmul_chain(
+    config: Any, batch: int, dtype: torch.dtype, device: torch.device, reps: int = 50
+) -> dict[str, Any]:
     """The decode step's matmuls alone, each layer with its own weights, in one CUDA graph
     (on the CPU, run as is): ms per step."""
     hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
@@ -219,8 +247,11 @@ def matmul_chain(config: Any, batch: int, dtype: torch.dtype, device: torch.devi
     times = timed_steps(run, reps, device)
     nbytes = sum(w.numel() * w.element_size() for ws in weights for w in ws)
     nbytes += lm_head.numel() * lm_head.element_size()
-    return {"decode_ms_per_step": round(statistics.median(times) * 1000, 3),
-            "weight_bytes": nbytes, "cuda_graph": device.type == "cuda"}
+    return {
+        "decode_ms_per_step": round(statistics.median(times) * 1000, 3),
+        "weight_bytes": nbytes,
+        "cuda_graph": device.type == "cuda",
+    }
 
 
 METHODS: dict[str, Callable[..., dict[str, Any]]] = {
@@ -231,20 +262,37 @@ METHODS: dict[str, Callable[..., dict[str, Any]]] = {
 
 
 def bench(ns: argparse.Namespace, path: Path, random_weights: bool) -> list[dict[str, Any]]:
-    device = torch.device(ns.device if ns.device != "auto" else
-                          ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[ns.dtype] if ns.dtype != "auto" else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device = torch.device(
+        ns.device if ns.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    dtype = (
+        DTYPES[ns.dtype]
+        if ns.dtype != "auto"
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
     model = load_hf_model(path, random_weights, dtype, device)
-    base = {"model": ns.model_shape or str(path), "dtype": str(dtype).removeprefix("torch."),
-            "device": str(device), "input_len": ns.input_len, "output_len": ns.output_len,
-            "machine": machine()}
+    base = {
+        "model": ns.model_shape or str(path),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "input_len": ns.input_len,
+        "output_len": ns.output_len,
+        "machine": machine(),
+    }
     bandwidth = copy_bandwidth(device, ns.copy_mib * 2**20)
     weight_bytes = floor_weight_bytes(model)
-    rows = [{**base, "method": "bandwidth-floor", "batch_size": b,
-             "decode_ms_per_step": round(weight_bytes / bandwidth * 1000, 3),
-             "weight_bytes": weight_bytes, "copy_bandwidth_gbs": round(bandwidth / 1e9, 1)}
-            for b in ns.batch_size]
+    rows = [
+        {
+            **base,
+            "method": "bandwidth-floor",
+            "batch_size": b,
+            # 6 decimals: the tiny model's floor is a few microseconds
+            "decode_ms_per_step": round(weight_bytes / bandwidth * 1000, 6),
+            "weight_bytes": weight_bytes,
+            "copy_bandwidth_gbs": round(bandwidth / 1e9, 3),
+        }
+        for b in ns.batch_size
+    ]
     work = [(m, b) for m in ns.methods for b in ns.batch_size]
     for method, b in tqdm(work, desc="methods x batch sizes"):
         try:
@@ -261,33 +309,50 @@ def bench(ns: argparse.Namespace, path: Path, random_weights: bool) -> list[dict
     return rows
 
 
-TABLE = [("model", "model"), ("method", "method"), ("bs", "batch_size"),
-         ("decode ms/step", "decode_ms_per_step"), ("compile s", "compile_s"),
-         ("first call s", "first_call_s"), ("copy GB/s", "copy_bandwidth_gbs"),
-         ("error", "error")]
+TABLE = [
+    ("model", "model"),
+    ("method", "method"),
+    ("bs", "batch_size"),
+    ("decode ms/step", "decode_ms_per_step"),
+    ("compile s", "compile_s"),
+    ("first call s", "first_call_s"),
+    ("copy GB/s", "copy_bandwidth_gbs"),
+    ("error", "error"),
+]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m srt.bench.hf_baseline",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m srt.bench.hf_baseline", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--model-path", help="A checkpoint (default: the built-in tiny model).")
-    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES),
-                        help="A published shape with random weights.")
-    parser.add_argument("--methods", nargs="+", default=[*METHODS, "cublas-chain"],
-                        choices=[*METHODS, "cublas-chain"])
+    parser.add_argument(
+        "--model-shape", choices=sorted(MODEL_SHAPES), help="A published shape with random weights."
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=[*METHODS, "cublas-chain"],
+        choices=[*METHODS, "cublas-chain"],
+    )
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    parser.add_argument("--copy-mib", type=int, default=2048,
-                        help="Size of the buffer whose copy measures the bandwidth.")
+    parser.add_argument(
+        "--copy-mib",
+        type=int,
+        default=2048,
+        help="Size of the buffer whose copy measures the bandwidth.",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", help="Append one JSON line per row here.")
     ns = parser.parse_args(argv)
     if ns.output_len < 2 or ns.input_len < 1 or min(ns.batch_size) < 1 or ns.copy_mib < 1:
-        parser.error("--output-len must be at least 2; --input-len, --batch-size and "
-                     "--copy-mib positive")
+        parser.error(
+            "--output-len must be at least 2; --input-len, --batch-size and --copy-mib positive"
+        )
     if ns.model_path and ns.model_shape:
         parser.error("give --model-path or --model-shape, not both")
     with tempfile.TemporaryDirectory() as tmp:

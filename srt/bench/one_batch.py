@@ -89,8 +89,9 @@ class Requests:
         )
 
 
-def run_once(runner: ModelRunner, reqs: Requests, profiler: Any = None
-             ) -> tuple[float, list[float]]:
+def run_once(
+    runner: ModelRunner, reqs: Requests, profiler: Any = None
+) -> tuple[float, list[float]]:
     """One prefill and `output_len - 1` decode steps: (prefill s, [decode step s]). With a
     `torch.profiler.profile`, it records the decode steps only, each annotated."""
     start = time.perf_counter()
@@ -110,8 +111,9 @@ def run_once(runner: ModelRunner, reqs: Requests, profiler: Any = None
     return prefill_s, steps
 
 
-def profile_decode(runner: ModelRunner, reqs: Requests, trace: Path,
-                   top: int = 10) -> dict[str, Any]:
+def profile_decode(
+    runner: ModelRunner, reqs: Requests, trace: Path, top: int = 10
+) -> dict[str, Any]:
     """Profile one run's decode steps (warm), write the Kineto trace, summarise it."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if runner.device.type == "cuda":
@@ -126,17 +128,24 @@ def summarize_trace(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
     """Per decode step: wall ms (the annotated steps), device busy ms and kernel count,
     host ms (wall less the time the host sat waiting for the device), the top kernels."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    steps = [e for e in events if e.get("name") == STEP_ANNOTATION
-             and e.get("cat") == "user_annotation"]
+    steps = [
+        e for e in events if e.get("name") == STEP_ANNOTATION and e.get("cat") == "user_annotation"
+    ]
     n = max(len(steps), 1)
     device = [e for e in events if e.get("cat") in _DEVICE_CATEGORIES]
     # The host waits in a synchronize call, or in the copy of a result to pageable memory,
     # which returns only once the copy (so everything queued before it) is done.
-    to_host = {e.get("args", {}).get("correlation") for e in device
-               if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")}
-    waits = [e for e in events if e.get("cat") == "cuda_runtime" and (
-        "Synchronize" in e.get("name", "")
-        or e.get("args", {}).get("correlation") in to_host)]
+    to_host = {
+        e.get("args", {}).get("correlation")
+        for e in device
+        if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")
+    }
+    waits = [
+        e
+        for e in events
+        if e.get("cat") == "cuda_runtime"
+        and ("Synchronize" in e.get("name", "") or e.get("args", {}).get("correlation") in to_host)
+    ]
     per_kernel: dict[str, list[float]] = collections.defaultdict(list)
     for e in device:
         per_kernel[e["name"]].append(e["dur"] / 1000)
@@ -152,16 +161,27 @@ def summarize_trace(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
         "host_ms_per_step": round((wall_ms - wait_ms) / n, 3),
         "wait_ms_per_step": round(wait_ms / n, 3),
         "top_kernels": [
-            {"name": name, "ms_per_step": round(sum(d) / n, 4), "calls_per_step": len(d) / n,
-             "share": round(sum(d) / device_ms, 3) if device_ms else None}
+            {
+                "name": name,
+                "ms_per_step": round(sum(d) / n, 4),
+                "calls_per_step": len(d) / n,
+                "share": round(sum(d) / device_ms, 3) if device_ms else None,
+            }
             for name, d in ranked
         ],
     }
 
 
-def bench(args: ServerArgs, batch_sizes: list[int], input_len: int, output_len: int,
-          runs: int, shape: str | None, profile_dir: Path | None = None
-          ) -> list[dict[str, Any]]:
+def bench(
+    args: ServerArgs,
+    batch_sizes: list[int],
+    input_len: int,
+    output_len: int,
+    runs: int,
+    shape: str | None,
+    profile_dir: Path | None = None,
+) -> list[dict[str, Any]]:
+    assert args.model_path is not None, "main resolves model_path"
     config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
     start = time.perf_counter()
     runner = ModelRunner(args, config)
@@ -199,9 +219,13 @@ def bench(args: ServerArgs, batch_sizes: list[int], input_len: int, output_len: 
             "decode_tok_s": round(b * 1000 / decode_ms, 1) if decode_ms else None,
             "cold_prefill_ms": round(cold_prefill * 1000, 3),
             "cold_first_decode_ms": round(cold_steps[0] * 1000, 3) if cold_steps else None,
-            "graphs": {phase: {k: info.get(k) for k in ("backend", "captured", "skipped",
-                                                         "capture_s", "replays")}
-                       for phase, info in runner.info()["graphs"].items()},
+            "graphs": {
+                phase: {
+                    k: info.get(k)
+                    for k in ("backend", "captured", "skipped", "capture_s", "replays")
+                }
+                for phase, info in runner.info()["graphs"].items()
+            },
             "machine": where,
         }
         if profile_dir is not None and output_len > 1:
@@ -222,13 +246,24 @@ def label(row: dict[str, Any]) -> str:
     return name
 
 
-TABLE = [("model", "model"), ("decode", "label"), ("bs", "batch_size"),
-         ("startup s", "startup_s"), ("prefill ms", "prefill_ms"),
-         ("decode ms/step", "decode_ms_per_step"), ("decode tok/s", "decode_tok_s"),
-         ("cold 1st decode ms", "cold_first_decode_ms")]
-PROFILE_TABLE = [("decode", "label"), ("bs", "batch_size"), ("wall ms", "wall_ms_per_step"),
-                 ("gpu ms", "gpu_ms_per_step"), ("host ms", "host_ms_per_step"),
-                 ("kernels", "kernels_per_step")]
+TABLE = [
+    ("model", "model"),
+    ("decode", "label"),
+    ("bs", "batch_size"),
+    ("startup s", "startup_s"),
+    ("prefill ms", "prefill_ms"),
+    ("decode ms/step", "decode_ms_per_step"),
+    ("decode tok/s", "decode_tok_s"),
+    ("cold 1st decode ms", "cold_first_decode_ms"),
+]
+PROFILE_TABLE = [
+    ("decode", "label"),
+    ("bs", "batch_size"),
+    ("wall ms", "wall_ms_per_step"),
+    ("gpu ms", "gpu_ms_per_step"),
+    ("host ms", "host_ms_per_step"),
+    ("kernels", "kernels_per_step"),
+]
 
 
 def format_results(rows: list[dict[str, Any]]) -> str:
@@ -241,23 +276,32 @@ def format_results(rows: list[dict[str, Any]]) -> str:
         for r in profiled:
             out.append(f"\ntop kernels, {r['label']} bs {r['batch_size']}:")
             for k in r["profile"]["top_kernels"]:
-                out.append(f"  {k['ms_per_step']:8.4f} ms  x{k['calls_per_step']:<6g} "
-                           f"{k['name'][:100]}")
+                out.append(
+                    f"  {k['ms_per_step']:8.4f} ms  x{k['calls_per_step']:<6g} {k['name'][:100]}"
+                )
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m srt.bench.one_batch",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m srt.bench.one_batch", description=__doc__.split("\n\n")[0]
+    )
     ServerArgs.add_cli_args(parser)
-    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES),
-                        help="Bench this published shape with random weights.")
+    parser.add_argument(
+        "--model-shape",
+        choices=sorted(MODEL_SHAPES),
+        help="Bench this published shape with random weights.",
+    )
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3, help="Warm runs per batch size.")
-    parser.add_argument("--profile", type=Path, metavar="DIR",
-                        help="Profile the warm decode steps; traces go to DIR.")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="Profile the warm decode steps; traces go to DIR.",
+    )
     parser.add_argument("--result-file", help="Append one JSON line per batch size here.")
     ns = parser.parse_args(argv)
     if ns.input_len < 1 or ns.output_len < 1 or min(ns.batch_size) < 1 or ns.runs < 1:
@@ -274,8 +318,9 @@ def main(argv: list[str] | None = None) -> None:
             args.load_format = "dummy"
         else:
             args.model_path = resolve_model_path(args)  # default: the built-in tiny model
-        rows = bench(args, ns.batch_size, ns.input_len, ns.output_len, ns.runs, ns.model_shape,
-                     ns.profile)
+        rows = bench(
+            args, ns.batch_size, ns.input_len, ns.output_len, ns.runs, ns.model_shape, ns.profile
+        )
     if ns.result_file:
         append_jsonl(ns.result_file, rows)
     print(format_results(rows))

@@ -18,8 +18,13 @@ def summary(values_ms: Sequence[float]) -> dict[str, float | int | None]:
         return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None}
     arr = np.asarray(values_ms, dtype=float)
     p50, p90, p99 = np.percentile(arr, [50, 90, 99])
-    return {"n": int(arr.size), "mean": round(float(arr.mean()), 3), "p50": round(float(p50), 3),
-            "p90": round(float(p90), 3), "p99": round(float(p99), 3)}
+    return {
+        "n": int(arr.size),
+        "mean": round(float(arr.mean()), 3),
+        "p50": round(float(p50), 3),
+        "p90": round(float(p90), 3),
+        "p99": round(float(p99), 3),
+    }
 
 
 def cell(value: Any) -> str:
@@ -72,8 +77,9 @@ def append_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
     """The same table as `format_table`, as Markdown (for docs/benchmarks.md)."""
-    lines = ["| " + " | ".join(title for title, _ in columns) + " |",
-             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|"]
-    lines += ["| " + " | ".join(cell(row.get(key)) for _, key in columns) + " |"
-              for row in rows]
+    lines = [
+        "| " + " | ".join(title for title, _ in columns) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|",
+    ]
+    lines += ["| " + " | ".join(cell(row.get(key)) for _, key in columns) + " |" for row in rows]
     return "\n".join(lines)

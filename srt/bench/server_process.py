@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,16 @@ class ServerProcess:
 
     `env` adds to (or, with a value of None, removes from) this process's environment."""
 
-    def __init__(self, flags: list[str], log_path: Path, *, api_key: str | None = None,
-                 env: dict[str, str | None] | None = None, cwd: Path | None = None,
-                 entry: tuple[str, ...] = ("-m", "srt.launch_server")) -> None:
+    def __init__(
+        self,
+        flags: list[str],
+        log_path: Path,
+        *,
+        api_key: str | None = None,
+        env: Mapping[str, str | None] | None = None,
+        cwd: Path | None = None,
+        entry: tuple[str, ...] = ("-m", "srt.launch_server"),
+    ) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.log_path = log_path
@@ -58,8 +66,9 @@ class ServerProcess:
         self.ready_s: float | None = None
         with open(log_path, "wb") as log:
             self.launched = time.perf_counter()
-            self.proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=log,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd, cwd=cwd, env=full_env, stdout=log, stderr=subprocess.STDOUT
+            )
 
     @property
     def url(self) -> str:
@@ -78,8 +87,10 @@ class ServerProcess:
         with httpx.Client(timeout=2) as client:
             while time.perf_counter() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}; its log "
-                                       f"({self.log_path}):\n{self.log()[-4000:]}")
+                    raise RuntimeError(
+                        f"server exited with {self.proc.returncode}; its log "
+                        f"({self.log_path}):\n{self.log()[-4000:]}"
+                    )
                 try:
                     self.health_codes.append(client.get(f"{self.url}/health").status_code)
                 except httpx.TransportError:  # not listening yet
@@ -88,8 +99,10 @@ class ServerProcess:
                     self.ready_s = time.perf_counter() - self.launched
                     return self.ready_s
                 time.sleep(_POLL_S)
-        raise TimeoutError(f"server not ready after {timeout_s} s; its log ({self.log_path}):"
-                           f"\n{self.log()[-4000:]}")
+        raise TimeoutError(
+            f"server not ready after {timeout_s} s; its log ({self.log_path}):"
+            f"\n{self.log()[-4000:]}"
+        )
 
     def info(self) -> dict[str, Any]:
         resp = httpx.get(f"{self.url}/get_server_info", headers=self.headers, timeout=30)

@@ -73,22 +73,40 @@ class RequestRecord:
         return [b - a for a, b in zip(t, t[1:], strict=False)]
 
 
-def random_requests(num: int, input_len: int, output_len: int, vocab_size: int,
-                    range_ratio: float = 1.0, seed: int = 0) -> list[RequestSpec]:
+def random_requests(
+    num: int,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    range_ratio: float = 1.0,
+    seed: int = 0,
+) -> list[RequestSpec]:
     """`num` prompts of random token ids, `input_len` long (or uniform in
     [range_ratio * input_len, input_len]), each asking for `output_len` tokens."""
     rng = random.Random(seed)
     low = max(1, math.ceil(input_len * range_ratio))
-    return [RequestSpec([rng.randrange(vocab_size) for _ in range(rng.randint(low, input_len))],
-                        output_len) for _ in range(num)]
+    return [
+        RequestSpec(
+            [rng.randrange(vocab_size) for _ in range(rng.randint(low, input_len))], output_len
+        )
+        for _ in range(num)
+    ]
 
 
-async def send_request(client: httpx.AsyncClient, base_url: str, spec: RequestSpec,
-                       record: RequestRecord) -> None:
+async def send_request(
+    client: httpx.AsyncClient, base_url: str, spec: RequestSpec, record: RequestRecord
+) -> None:
     """One streaming `/generate` request, greedy, exactly `output_len` tokens; fills `record`
     (an HTTP error, an error event or a wrong token count becomes `record.error`)."""
-    body = {"input_ids": spec.input_ids, "stream": True, "sampling_params": {
-        "max_new_tokens": spec.output_len, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": spec.input_ids,
+        "stream": True,
+        "sampling_params": {
+            "max_new_tokens": spec.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+    }
     record.sent = time.perf_counter()
     seen = 0
     try:
@@ -119,11 +137,18 @@ async def send_request(client: httpx.AsyncClient, base_url: str, spec: RequestSp
         record.error = f"got {record.output_tokens} tokens, asked for {spec.output_len}"
 
 
-async def run_load(base_url: str, specs: Sequence[RequestSpec], *,
-                   max_concurrency: int | None = None, request_rate: float = math.inf,
-                   seed: int = 0, timeout_s: float = 300.0, max_duration_s: float = math.inf,
-                   headers: dict[str, str] | None = None, progress: bool = True
-                   ) -> list[RequestRecord]:
+async def run_load(
+    base_url: str,
+    specs: Sequence[RequestSpec],
+    *,
+    max_concurrency: int | None = None,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    timeout_s: float = 300.0,
+    max_duration_s: float = math.inf,
+    headers: dict[str, str] | None = None,
+    progress: bool = True,
+) -> list[RequestRecord]:
     """Send `specs` (Poisson arrivals at `request_rate` per second; at most `max_concurrency`
     in flight) and return one record per request, in order. Requests still running after
     `max_duration_s` are cancelled and recorded as errors; each has `timeout_s`."""
@@ -151,8 +176,9 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], *,
         await asyncio.gather(*tasks, return_exceptions=True)
     bar.close()
     for record in records:
-        if record.done is None or (record.error is None
-                                   and record.output_tokens < record.output_len):
+        if record.done is None or (
+            record.error is None and record.output_tokens < record.output_len
+        ):
             record.error = record.error or f"cancelled after --max-duration {max_duration_s} s"
     return records
 
@@ -177,8 +203,13 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "request_throughput": round(len(ok) / duration, 3),
         "output_throughput": round(output_tokens / duration, 1),
         "ttft_ms": summary([r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
-        "tpot_ms": summary([((r.done or r.sent) - r.token_times[0]) / (r.output_tokens - 1)
-                            * 1000 for r in ok if r.output_tokens > 1]),
+        "tpot_ms": summary(
+            [
+                ((r.done or r.sent) - r.token_times[0]) / (r.output_tokens - 1) * 1000
+                for r in ok
+                if r.output_tokens > 1
+            ]
+        ),
         "itl_ms": summary([gap * 1000 for r in ok for gap in r.itl_s]),
         "e2e_ms": summary([((r.done or r.sent) - r.sent) * 1000 for r in ok]),
     }
@@ -190,67 +221,129 @@ def vocab_size_of(base_url: str, headers: dict[str, str] | None = None) -> int:
     return int(resp.json()["model"]["vocab_size"])
 
 
-TABLE = [("conc", "max_concurrency"), ("rate", "request_rate"), ("done", "completed"),
-         ("errors", "errors"), ("req/s", "request_throughput"),
-         ("out tok/s", "output_throughput"), ("TTFT p50", "ttft_p50"),
-         ("TTFT p99", "ttft_p99"), ("TPOT p50", "tpot_p50"), ("ITL p50", "itl_p50"),
-         ("ITL p99", "itl_p99"), ("E2E p50", "e2e_p50")]
+TABLE = [
+    ("conc", "max_concurrency"),
+    ("rate", "request_rate"),
+    ("done", "completed"),
+    ("errors", "errors"),
+    ("req/s", "request_throughput"),
+    ("out tok/s", "output_throughput"),
+    ("TTFT p50", "ttft_p50"),
+    ("TTFT p99", "ttft_p99"),
+    ("TPOT p50", "tpot_p50"),
+    ("ITL p50", "itl_p50"),
+    ("ITL p99", "itl_p99"),
+    ("E2E p50", "e2e_p50"),
+]
 
 
 def table_row(run: dict[str, Any]) -> dict[str, Any]:
     """A run's row of the printed table (latencies in ms)."""
-    return {**run, **{f"{m}_{p}": run[f"{m}_ms"][p] for m in ("ttft", "tpot", "itl", "e2e")
-                      for p in ("p50", "p99")}}
+    return {
+        **run,
+        **{
+            f"{m}_{p}": run[f"{m}_ms"][p]
+            for m in ("ttft", "tpot", "itl", "e2e")
+            for p in ("p50", "p99")
+        },
+    }
 
 
-def bench(base_url: str, ns: argparse.Namespace, headers: dict[str, str] | None
-          ) -> list[dict[str, Any]]:
+def bench(
+    base_url: str, ns: argparse.Namespace, headers: dict[str, str] | None
+) -> list[dict[str, Any]]:
     vocab = vocab_size_of(base_url, headers)
-    counts = ns.num_prompts * len(ns.max_concurrency) if len(ns.num_prompts) == 1 \
-        else ns.num_prompts
+    counts = (
+        ns.num_prompts * len(ns.max_concurrency) if len(ns.num_prompts) == 1 else ns.num_prompts
+    )
     if ns.warmup_requests:
-        warm = random_requests(ns.warmup_requests, ns.input_len, ns.output_len, vocab,
-                               seed=ns.seed + 1)
+        warm = random_requests(
+            ns.warmup_requests, ns.input_len, ns.output_len, vocab, seed=ns.seed + 1
+        )
         asyncio.run(run_load(base_url, warm, headers=headers, progress=False))
     runs = []
     for concurrency, num in zip(ns.max_concurrency, counts, strict=True):
-        specs = random_requests(num, ns.input_len, ns.output_len, vocab, ns.range_ratio,
-                                ns.seed)
-        records = asyncio.run(run_load(
-            base_url, specs, max_concurrency=concurrency or None,
-            request_rate=ns.request_rate, seed=ns.seed, timeout_s=ns.timeout,
-            max_duration_s=ns.max_duration, headers=headers))
+        specs = random_requests(num, ns.input_len, ns.output_len, vocab, ns.range_ratio, ns.seed)
+        records = asyncio.run(
+            run_load(
+                base_url,
+                specs,
+                max_concurrency=concurrency or None,
+                request_rate=ns.request_rate,
+                seed=ns.seed,
+                timeout_s=ns.timeout,
+                max_duration_s=ns.max_duration,
+                headers=headers,
+            )
+        )
         rate = ns.request_rate if math.isfinite(ns.request_rate) else None  # None: at once
-        runs.append({"max_concurrency": concurrency or None, "request_rate": rate,
-                     "input_len": ns.input_len, "output_len": ns.output_len,
-                     "range_ratio": ns.range_ratio, **metrics(records)})
+        runs.append(
+            {
+                "max_concurrency": concurrency or None,
+                "request_rate": rate,
+                "input_len": ns.input_len,
+                "output_len": ns.output_len,
+                "range_ratio": ns.range_ratio,
+                **metrics(records),
+            }
+        )
     return runs
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m srt.bench.serving",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", help="A running server (default: start one with the "
-                                           "server flags given after --).")
+    parser = argparse.ArgumentParser(
+        prog="python -m srt.bench.serving", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--base-url",
+        help="A running server (default: start one with the server flags given after --).",
+    )
     parser.add_argument("--api-key", help="The server's --api-key.")
-    parser.add_argument("--num-prompts", type=int, nargs="+", default=[64],
-                        help="Requests per run: one value, or one per --max-concurrency.")
-    parser.add_argument("--max-concurrency", type=int, nargs="+", default=[0],
-                        help="Most requests in flight, one run per value (0: no cap).")
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="Poisson arrivals per second (default inf: all at once).")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="Requests per run: one value, or one per --max-concurrency.",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="Most requests in flight, one run per value (0: no cap).",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (default inf: all at once).",
+    )
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--range-ratio", type=float, default=1.0,
-                        help="Prompt lengths uniform in [ratio x input-len, input-len].")
-    parser.add_argument("--warmup-requests", type=int, default=1,
-                        help="Untimed requests before the first run.")
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=1.0,
+        help="Prompt lengths uniform in [ratio x input-len, input-len].",
+    )
+    parser.add_argument(
+        "--warmup-requests", type=int, default=1, help="Untimed requests before the first run."
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="Seconds per request.")
-    parser.add_argument("--max-duration", type=float, default=math.inf,
-                        help="Seconds per run; requests still open then are cancelled.")
-    parser.add_argument("--ready-timeout", type=float, default=600.0,
-                        help="Seconds to wait for a server this tool starts.")
+    parser.add_argument(
+        "--max-duration",
+        type=float,
+        default=math.inf,
+        help="Seconds per run; requests still open then are cancelled.",
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="Seconds to wait for a server this tool starts.",
+    )
     parser.add_argument("--output-file", type=Path, help="Write the JSON results here.")
     add_server_flags_arg(parser, "-- then the flags of the server to start (without --base-url).")
     ns = parser.parse_args(argv)
@@ -262,16 +355,18 @@ def main(argv: list[str] | None = None) -> None:
     if len(ns.num_prompts) not in (1, len(ns.max_concurrency)):
         parser.error("--num-prompts takes one value or one per --max-concurrency value")
     if not 0 < ns.range_ratio <= 1 or ns.request_rate <= 0 or min(ns.max_concurrency) < 0:
-        parser.error("--range-ratio must be in (0, 1], --request-rate positive, "
-                     "--max-concurrency at least 0")
+        parser.error(
+            "--range-ratio must be in (0, 1], --request-rate positive, --max-concurrency at least 0"
+        )
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else None
-    result: dict[str, Any] = {"machine": machine(), "base_url": ns.base_url,
-                              "server_flags": flags}
+    result: dict[str, Any] = {"machine": machine(), "base_url": ns.base_url, "server_flags": flags}
     if ns.base_url:
         result["runs"] = bench(ns.base_url.rstrip("/"), ns, headers)
     else:
-        with tempfile.TemporaryDirectory() as tmp, \
-                ServerProcess(flags, Path(tmp) / "server.log", api_key=ns.api_key) as server:
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            ServerProcess(flags, Path(tmp) / "server.log", api_key=ns.api_key) as server,
+        ):
             result["server_ready_s"] = round(server.wait_ready(ns.ready_timeout), 3)
             result["runs"] = bench(server.url, ns, server.headers)
     if ns.output_file:

@@ -68,11 +68,12 @@ def recording_token_decisions() -> Iterator[list[TokenDecision]]:
                 decisions.append(TokenDecision(node.expr, value, where))
         return value
 
-    SymNodeVariable.evaluate_expr = evaluate_expr
+    # A deliberate patch of Dynamo's method: it has no hook for the decisions it makes.
+    SymNodeVariable.evaluate_expr = evaluate_expr  # type: ignore[method-assign]
     try:
         yield decisions
     finally:
-        SymNodeVariable.evaluate_expr = real
+        SymNodeVariable.evaluate_expr = real  # type: ignore[method-assign]
 
 
 def check_token_guards(
@@ -112,14 +113,16 @@ def _piece_args(
 ) -> dict[str, tuple[Any, ...]]:
     """Each submodule's fake arguments, by running the split graph on fake inputs."""
     fake_inputs = [
-        fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor)
+        fake_mode.from_tensor(a)
+        if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor)
         else a
         for a in example_inputs
     ]
     recorded: dict[str, tuple[Any, ...]] = {}
 
     class Recorder(fx.Interpreter):
-        def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+        def call_module(self, target: fx.node.Target, args: tuple, kwargs: dict) -> Any:
+            assert isinstance(target, str), "a call_module target is the submodule's name"
             recorded[target] = args
             return super().call_module(target, args, kwargs)
 
@@ -130,7 +133,11 @@ def _piece_args(
 
 class PiecewiseBackend:
     def __init__(
-        self, compilers: Sequence[str], cache: CompileCache, router: Router, max_tokens: int,
+        self,
+        compilers: Sequence[str],
+        cache: CompileCache,
+        router: Router,
+        max_tokens: int,
         title: str,
     ) -> None:
         self.compilers = list(compilers)
@@ -149,23 +156,32 @@ class PiecewiseBackend:
     @property
     def cache_hit(self) -> bool | None:
         """Whether every Inductor piece came from the cache; None without Inductor."""
-        sources = [p[c]["source"] for p in self.pieces_info for c in self.compilers
-                   if c == "inductor" and p[c]["source"] != "shared"]
+        sources = [
+            p[c]["source"]
+            for p in self.pieces_info
+            for c in self.compilers
+            if c == "inductor" and p[c]["source"] != "shared"
+        ]
         return all(s == "loaded" for s in sources) if sources else None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
         start = time.perf_counter()
         self.traces += 1
         fake_mode = detect_fake_mode(example_inputs)
+        assert fake_mode is not None and fake_mode.shape_env is not None, (
+            "Dynamo calls its backend with fake inputs of a dynamic-shape trace"
+        )
         check_token_guards(fake_mode.shape_env, self.max_tokens, self.decisions)
         split = split_graph(gm)
         logger.info(
             "split at %s: %d compilable pieces, %d split regions",
-            split_ops(), len(split.pieces), len(split.regions),
+            split_ops(),
+            len(split.pieces),
+            len(split.regions),
         )
         args = _piece_args(split, example_inputs, fake_mode)
         self.signatures = [
-            piece_signature(split.module.get_submodule(name), args[name]) for name in split.pieces
+            piece_signature(split.submodule(name), args[name]) for name in split.pieces
         ]
         self.pieces_info = [
             {"piece": i, "submodule": name, "signature": sig}
@@ -199,18 +215,35 @@ class PiecewiseBackend:
             sig = self.signatures[i]
             if sig in first_with:
                 fns.append(fns[first_with[sig]])
-                self.pieces_info[i][compiler] = {"source": "shared", "s": 0.0,
-                                                 "shares": first_with[sig]}
-                logger.info("piece %d (%s), %s: shares the artifact of piece %d",
-                            i, name, compiler, first_with[sig])
+                self.pieces_info[i][compiler] = {
+                    "source": "shared",
+                    "s": 0.0,
+                    "shares": first_with[sig],
+                }
+                logger.info(
+                    "piece %d (%s), %s: shares the artifact of piece %d",
+                    i,
+                    name,
+                    compiler,
+                    first_with[sig],
+                )
                 continue
             first_with[sig] = i
             piece = compile_piece(
-                compiler, split.module.get_submodule(name), args[name], self.cache,
+                compiler,
+                split.submodule(name),
+                args[name],
+                self.cache,
                 f"{compiler}-{sig}-t{self.max_tokens}",  # the token range shapes codegen
             )
             fns.append(piece.fn)
             self.pieces_info[i][compiler] = {"source": piece.source, "s": round(piece.seconds, 3)}
-            logger.info("piece %d (%s), %s: %s in %.2f s",
-                        i, name, compiler, _HOW[piece.source], piece.seconds)
+            logger.info(
+                "piece %d (%s), %s: %s in %.2f s",
+                i,
+                name,
+                compiler,
+                _HOW[piece.source],
+                piece.seconds,
+            )
         return fns

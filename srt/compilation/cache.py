@@ -63,7 +63,8 @@ def default_cache_root() -> Path:
 
 def environment_factor() -> dict[str, str]:
     return {
-        name: value for name, value in sorted(os.environ.items())
+        name: value
+        for name, value in sorted(os.environ.items())
         if name.startswith(ENV_PREFIXES) and not name.endswith(ENV_LOCATION_SUFFIXES)
     }
 
@@ -114,7 +115,8 @@ def cpu_factor() -> dict[str, Any]:
         "model": _cpuinfo_field("model name", "CPU part"),
         "isa": torch.backends.cpu.get_cpu_capability(),
         "flags": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
-        if flags else None,
+        if flags
+        else None,
     }
 
 
@@ -149,7 +151,8 @@ def cuda_factor(device: torch.device) -> dict[str, Any]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     runtimes = sorted(
-        f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
+        f"{d.metadata['Name']}=={d.version}"
+        for d in metadata.distributions()
         if (d.metadata["Name"] or "").lower().startswith("nvidia-cuda-runtime")
     )
     return {
@@ -281,7 +284,9 @@ class CompileCache:
             # write into it can replace the code this process will load.
             logger.warning(
                 "compile cache root %s has mode %o: other users can read or replace the "
-                "compiled code in it; make it 0700", root, stat.S_IMODE(root.stat().st_mode),
+                "compiled code in it; make it 0700",
+                root,
+                stat.S_IMODE(root.stat().st_mode),
             )
         else:
             make_private_dir(root)
@@ -310,8 +315,11 @@ class CompileCache:
             save(staged)
             payload = staged.read_bytes()
         header = {
-            "entry": self.key, "name": name, "bytes": len(payload),
-            "sha256": hashlib.sha256(payload).hexdigest(), "torch": torch.__version__,
+            "entry": self.key,
+            "name": name,
+            "bytes": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+            "torch": torch.__version__,
         }
         write_private(self.artifact_path(name), pack_artifact(header, payload))
 
@@ -326,12 +334,11 @@ class CompileCache:
             header, payload = unpack_artifact(path.read_bytes())
             for field, expected in (("entry", self.key), ("name", name)):
                 if header.get(field) != expected:
-                    raise ValueError(
-                        f"written for {field} {header.get(field)!r}, not {expected!r}"
-                    )
+                    raise ValueError(f"written for {field} {header.get(field)!r}, not {expected!r}")
             if len(payload) != header["bytes"]:
-                raise ValueError(f"size mismatch ({len(payload)} bytes, expected "
-                                 f"{header['bytes']})")
+                raise ValueError(
+                    f"size mismatch ({len(payload)} bytes, expected {header['bytes']})"
+                )
             if hashlib.sha256(payload).hexdigest() != header["sha256"]:
                 raise ValueError("checksum mismatch")
             with tempfile.TemporaryDirectory(dir=self.pieces_dir) as tmp:
@@ -341,7 +348,9 @@ class CompileCache:
         except Exception as e:  # any failure means: do not use it, compile afresh
             logger.warning(
                 "compile cache: artifact %s is corrupted or mismatched (%s: %s); recompiling",
-                path, type(e).__name__, e,
+                path,
+                type(e).__name__,
+                e,
             )
             path.unlink(missing_ok=True)
             return None
@@ -399,7 +408,9 @@ class CompileCache:
             logger.warning(
                 "compile cache: removed %d file(s) from %s that this cache did not write or "
                 "that changed since (%s); Inductor rebuilds them",
-                len(removed), self.inductor_dir, ", ".join(removed[:5]),
+                len(removed),
+                self.inductor_dir,
+                ", ".join(removed[:5]),
             )
 
     def _make_inductor_files_private(self) -> None:

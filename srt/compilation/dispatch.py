@@ -97,6 +97,7 @@ class BucketDispatcher:
             entry.state = BucketState.SPECIALISED
         else:
             entry.state = BucketState.REPLAYED
+        assert entry.fn is not None, "set when the bucket was specialised"
         return entry.fn(*args)
 
     def bucket_stats(self) -> dict[int, dict[str, Any]]:

@@ -73,7 +73,10 @@ class PiecewiseModel:
             self.compilers, cache, self.router, max_tokens, type(model).__name__
         )
         self.compiled = torch.compile(
-            model, backend=self.backend, fullgraph=True, dynamic=False,
+            model,
+            backend=self.backend,
+            fullgraph=True,
+            dynamic=False,
             options={"guard_filter_fn": _guard_filter(keep_shape_guards)},
         )
         self.dynamo_s = 0.0
@@ -107,8 +110,7 @@ class PiecewiseModel:
             raise
         except torch._dynamo.exc.Unsupported as e:
             raise GraphBreakError(
-                f"the model forward does not trace as one graph (fullgraph=True): "
-                f"{_first_line(e)}"
+                f"the model forward does not trace as one graph (fullgraph=True): {_first_line(e)}"
             ) from e
         except torch.fx.experimental.symbolic_shapes.ConstraintViolationError as e:
             raise ShapeSpecializationError(
@@ -119,7 +121,9 @@ class PiecewiseModel:
         logger.info("Dynamo transform took %.2f s", self.dynamo_s)
         logger.info(
             "torch.compile took %.2f s in total (pieces %.2f s; compile cache %s, %s)",
-            self.total_s, self.backend.compile_s, self.cache.dir,
+            self.total_s,
+            self.backend.compile_s,
+            self.cache.dir,
             {True: "hit", False: "miss", None: "not used"}[self.backend.cache_hit],
         )
 
@@ -164,6 +168,12 @@ def compile_info(model: PiecewiseModel | None) -> dict[str, Any]:
     if model is not None:
         return model.info()
     return {
-        "split_ops": split_ops(), "num_pieces": 0, "num_split_regions": 0, "dynamo_s": 0.0,
-        "compile_s": 0.0, "total_s": 0.0, "cache_dir": None, "cache_hit": None,
+        "split_ops": split_ops(),
+        "num_pieces": 0,
+        "num_split_regions": 0,
+        "dynamo_s": 0.0,
+        "compile_s": 0.0,
+        "total_s": 0.0,
+        "cache_dir": None,
+        "cache_hit": None,
     }

@@ -35,6 +35,12 @@ class SplitGraph:
     regions: list[str]  # the opaque split-op regions
     region_ops: dict[str, list[str]] = field(default_factory=dict)  # region -> its split ops
 
+    def submodule(self, name: str) -> fx.GraphModule:
+        """A piece or region by name (split_module makes each a GraphModule)."""
+        sub = self.module.get_submodule(name)
+        assert isinstance(sub, fx.GraphModule), f"{name} is a {type(sub).__name__}"
+        return sub
+
 
 def split_graph(gm: fx.GraphModule) -> SplitGraph:
     partition: dict[fx.Node, int] = {}
@@ -45,8 +51,11 @@ def split_graph(gm: fx.GraphModule) -> SplitGraph:
             continue
         is_region = node.op == "call_function" and (
             is_split_op(node.target)
-            or (node.target is operator.getitem and isinstance(node.args[0], fx.Node)
-                and partition.get(node.args[0]) in region_parts)
+            or (
+                node.target is operator.getitem
+                and isinstance(node.args[0], fx.Node)
+                and partition.get(node.args[0]) in region_parts
+            )
         )
         if in_region is not None and is_region != in_region:
             part += 1
@@ -54,16 +63,19 @@ def split_graph(gm: fx.GraphModule) -> SplitGraph:
         partition[node] = part
         if is_region:
             region_parts.add(part)
-    split = split_module(gm, None, lambda node: partition[node], keep_original_order=True)
+    # split_module's root module argument is unused (its docstring says so).
+    split = split_module(gm, gm, lambda node: partition[node], keep_original_order=True)
     submodules = [node.target for node in split.graph.nodes if node.op == "call_module"]
     result = SplitGraph(split, submodules, [], [])
     for name in submodules:
         if int(name.removeprefix("submod_")) in region_parts:
             result.regions.append(name)
-            sub = split.get_submodule(name)
             result.region_ops[name] = [
-                op_qualname(n.target) for n in sub.graph.nodes
-                if n.op == "call_function" and is_split_op(n.target)
+                qualname
+                for n in result.submodule(name).graph.nodes
+                if n.op == "call_function"
+                and is_split_op(n.target)
+                and (qualname := op_qualname(n.target)) is not None
             ]
         else:
             result.pieces.append(name)
@@ -81,8 +93,10 @@ def _target_name(target: Any) -> str:
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return (f"Tensor({value.dtype}, {tuple(value.shape)}, {value.stride()}, "
-                f"{value.device.type}, grad={value.requires_grad})")
+        return (
+            f"Tensor({value.dtype}, {tuple(value.shape)}, {value.stride()}, "
+            f"{value.device.type}, grad={value.requires_grad})"
+        )
     if isinstance(value, torch.SymInt):
         return f"SymInt({value})"
     return repr(value)
@@ -90,7 +104,7 @@ def _describe(value: Any) -> str:
 
 def _describe_constant(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        content = hashlib.sha256(value.detach().cpu().contiguous().view(torch.uint8).numpy())
+        content = hashlib.sha256(value.detach().cpu().contiguous().view(torch.uint8).numpy().data)
         return f"{_describe(value)}:{content.hexdigest()}"
     return repr(value)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -38,6 +38,10 @@ class EventStream(StreamingResponse):
     a disconnected client's sequences are aborted at once."""
 
     media_type = "text/event-stream"
+    body_iterator: AsyncGenerator[bytes, None]
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(events)
 
     async def stream_response(self, send: Send) -> None:
         try:
@@ -46,13 +50,22 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def error_body(message: str, err_type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str,
+    err_type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, err_type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> OrjsonResponse:
+def error_response(
+    status: int,
+    message: str,
+    err_type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> OrjsonResponse:
     return OrjsonResponse(error_body(message, err_type, param, code), status_code=status)
 
 
@@ -60,7 +73,7 @@ def _event(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def sse(events: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[bytes, None]:
     """Encode events; a failure after the response has started becomes an error event, and
     the stream always ends with `[DONE]`."""
     try:
@@ -70,8 +83,9 @@ async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     except ServerNotReady as e:
         yield _event(error_body(str(e), "server_error", code="unavailable"))
     except ValueError as e:
-        yield _event(error_body(str(e), param=getattr(e, "param", None),
-                                code=getattr(e, "code", None)))
+        yield _event(
+            error_body(str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
+        )
     yield b"data: [DONE]\n\n"
 
 
@@ -100,14 +114,16 @@ def install_error_handlers(app: FastAPI) -> None:
         if loc:
             return error_response(400, f"{'.'.join(loc)}: {err['msg']}", param=loc[0])
         if err["type"] in ("model_attributes_type", "dict_type", "missing"):
-            return error_response(400, "the request body must be a JSON object "
-                                       "(Content-Type: application/json)")
+            return error_response(
+                400, "the request body must be a JSON object (Content-Type: application/json)"
+            )
         return error_response(400, err["msg"].removeprefix("Value error, "))
 
     @app.exception_handler(ValueError)
     async def on_bad_request(_: Request, exc: ValueError) -> Response:
-        return error_response(400, str(exc), param=getattr(exc, "param", None),
-                              code=getattr(exc, "code", None))
+        return error_response(
+            400, str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None)
+        )
 
     @app.exception_handler(ServerNotReady)
     async def on_not_ready(_: Request, exc: ServerNotReady) -> Response:
@@ -132,11 +148,14 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             scheme, token = get_authorization_scheme_param(
-                Headers(scope=scope).get("authorization"))
+                Headers(scope=scope).get("authorization")
+            )
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.key):
-                response = error_response(401, "invalid or missing API key "
-                                               "(Authorization: Bearer KEY)",
-                                          code="invalid_api_key")
+                response = error_response(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer KEY)",
+                    code="invalid_api_key",
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

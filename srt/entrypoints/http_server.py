@@ -19,12 +19,14 @@ from srt.managers.tokenizer_manager import TokenizerManager
 
 def create_app(manager: TokenizerManager) -> FastAPI:
     args = manager.args
-    app = FastAPI(title="srt", default_response_class=OrjsonResponse,
-                  max_body_size=args.max_request_bytes)
+    app = FastAPI(
+        title="srt", default_response_class=OrjsonResponse, max_body_size=args.max_request_bytes
+    )
     install_error_handlers(app)
     for router in (server_router(manager), native_router(manager), openai_router(manager)):
         app.include_router(router)
     if args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key,
-                           open_paths=frozenset({HEALTH_PATH}))
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=args.api_key, open_paths=frozenset({HEALTH_PATH})
+        )
     return app

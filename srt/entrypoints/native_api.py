@@ -3,7 +3,7 @@ Requests go through the same front end as `Engine.generate`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -23,7 +23,7 @@ def native_router(manager: TokenizerManager) -> APIRouter:
     def native(r: SeqResult) -> dict[str, Any]:
         return {"index": r.index, **r.native()}
 
-    async def native_events(seqs: list[Seq]) -> AsyncIterator[dict[str, Any]]:
+    async def native_events(seqs: list[Seq]) -> AsyncGenerator[dict[str, Any], None]:
         # SGLang streams each sequence's text and ids so far, not deltas.
         results = [SeqResult(i) for i in range(len(seqs))]
         async with aclosing(manager.generate(seqs)) as updates:
@@ -34,7 +34,8 @@ def native_router(manager: TokenizerManager) -> APIRouter:
     @router.post("/generate")
     async def generate(req: GenerateRequest, request: Request) -> Any:
         single, seqs = await manager.prepare(
-            lambda frontend: frontend.native(req.text, req.input_ids, req.sampling_params))
+            lambda frontend: frontend.native(req.text, req.input_ids, req.sampling_params)
+        )
         if req.stream:
             return EventStream(sse(native_events(seqs)))
         results = await unless_disconnected(request, manager.generate_all(seqs))

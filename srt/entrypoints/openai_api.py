@@ -3,7 +3,7 @@ choices, logprobs), on the shared request front end."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -33,34 +33,52 @@ def openai_router(manager: TokenizerManager) -> APIRouter:
 
     def check_model(name: str | None) -> None:
         if name is not None and name != manager.model_name:
-            raise InvalidRequest(f"the model {name!r} does not exist; this server serves "
-                                 f"{manager.model_name!r}", param="model",
-                                 code="model_not_found")
+            raise InvalidRequest(
+                f"the model {name!r} does not exist; this server serves {manager.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
         manager.check_ready()  # its max_model_len is known once the runner is
-        return {"object": "list", "data": [{
-            "id": manager.model_name, "object": "model", "owned_by": "srt",
-            "created": int(manager.startup.get("ready_at", 0)),
-            "max_model_len": manager.context_length,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": manager.model_name,
+                    "object": "model",
+                    "owned_by": "srt",
+                    "created": int(manager.startup.get("ready_at", 0)),
+                    "max_model_len": manager.context_length,
+                }
+            ],
+        }
 
     # ---- /v1/completions -----------------------------------------------------------------
 
-    def completion_choice(u: SeqUpdate | SeqResult, top: int | None, offset: int
-                          ) -> dict[str, Any]:
+    def completion_choice(u: SeqUpdate | SeqResult, top: int | None, offset: int) -> dict[str, Any]:
         lp = None
         if top is not None:
-            lp = completion_logprobs(u.token_ids, u.logprobs, u.top_logprobs,
-                                     manager.token_text, offset)
-        return {"index": u.index, "text": u.text, "logprobs": lp,
-                "finish_reason": finish_reason(u.finish_reason)}
+            lp = completion_logprobs(
+                u.token_ids, u.logprobs, u.top_logprobs, manager.token_text, offset
+            )
+        return {
+            "index": u.index,
+            "text": u.text,
+            "logprobs": lp,
+            "finish_reason": finish_reason(u.finish_reason),
+        }
 
-    async def completion_events(seqs: list[Seq], prompt_tokens: int, req: CompletionRequest
-                                ) -> AsyncIterator[dict[str, Any]]:
-        head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(),
-                "model": manager.model_name}
+    async def completion_events(
+        seqs: list[Seq], prompt_tokens: int, req: CompletionRequest
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        head = {
+            "id": new_id("cmpl"),
+            "object": "text_completion",
+            "created": now(),
+            "model": manager.model_name,
+        }
         offsets = [0] * len(seqs)
         completion_tokens = [0] * len(seqs)
         async with aclosing(manager.generate(seqs)) as updates:
@@ -79,16 +97,21 @@ def openai_router(manager: TokenizerManager) -> APIRouter:
     async def completions(req: CompletionRequest, request: Request) -> Any:
         check_model(req.model)
         prompts, params = req.prompts(), req.sampling_params()
-        seqs = await manager.prepare(lambda frontend: frontend.seqs(
-            prompts, [params] * len(prompts), req.n, COMPLETION_DEFAULT_MAX_TOKENS, req.names))
-        prompt_tokens = sum(len(s.input_ids) for s in seqs[::req.n])
+        seqs = await manager.prepare(
+            lambda frontend: frontend.seqs(
+                prompts, [params] * len(prompts), req.n, COMPLETION_DEFAULT_MAX_TOKENS, req.names
+            )
+        )
+        prompt_tokens = sum(len(s.input_ids) for s in seqs[:: req.n])
         if req.stream:
             return EventStream(sse(completion_events(seqs, prompt_tokens, req)))
         results = await unless_disconnected(request, manager.generate_all(seqs))
         if isinstance(results, Response):
             return results
         return {
-            "id": new_id("cmpl"), "object": "text_completion", "created": now(),
+            "id": new_id("cmpl"),
+            "object": "text_completion",
+            "created": now(),
             "model": manager.model_name,
             "choices": [completion_choice(r, req.logprobs, 0) for r in results],
             "usage": usage(prompt_tokens, sum(r.completion_tokens for r in results)),
@@ -101,24 +124,47 @@ def openai_router(manager: TokenizerManager) -> APIRouter:
             return None
         return chat_logprobs(u.token_ids, u.logprobs, u.top_logprobs, manager.token_text)
 
-    async def chat_events(seqs: list[Seq], req: ChatCompletionRequest
-                          ) -> AsyncIterator[dict[str, Any]]:
-        head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": now(),
-                "model": manager.model_name}
+    async def chat_events(
+        seqs: list[Seq], req: ChatCompletionRequest
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        head = {
+            "id": new_id("chatcmpl"),
+            "object": "chat.completion.chunk",
+            "created": now(),
+            "model": manager.model_name,
+        }
         top = req.top_logprobs_num
         for i in range(len(seqs)):
-            yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], "usage": None}
+            yield {
+                **head,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                "usage": None,
+            }
         completion_tokens = [0] * len(seqs)
         async with aclosing(manager.generate(seqs)) as updates:
             async for u in updates:
                 completion_tokens[u.index] = u.completion_tokens
                 if not (u.text or u.finish_reason or (top is not None and u.token_ids)):
                     continue
-                yield {**head, "usage": None, "choices": [{
-                    "index": u.index, "delta": {"content": u.text} if u.text else {},
-                    "logprobs": chat_lp(u, top), "finish_reason": finish_reason(u.finish_reason),
-                }]}
+                yield {
+                    **head,
+                    "usage": None,
+                    "choices": [
+                        {
+                            "index": u.index,
+                            "delta": {"content": u.text} if u.text else {},
+                            "logprobs": chat_lp(u, top),
+                            "finish_reason": finish_reason(u.finish_reason),
+                        }
+                    ],
+                }
         if req.include_usage:
             prompt_tokens = len(seqs[0].input_ids)
             yield {**head, "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens))}
@@ -129,8 +175,11 @@ def openai_router(manager: TokenizerManager) -> APIRouter:
         messages = [m.for_template() for m in req.messages]
         params = req.sampling_params()
         # Without max_tokens, a chat may fill what the context leaves.
-        seqs = await manager.prepare(lambda frontend: frontend.seqs(
-            [frontend.chat_ids(messages)], [params], req.n, None, req.names))
+        seqs = await manager.prepare(
+            lambda frontend: frontend.seqs(
+                [frontend.chat_ids(messages)], [params], req.n, None, req.names
+            )
+        )
         if req.stream:
             return EventStream(sse(chat_events(seqs, req)))
         results = await unless_disconnected(request, manager.generate_all(seqs))
@@ -138,11 +187,19 @@ def openai_router(manager: TokenizerManager) -> APIRouter:
             return results
         top = req.top_logprobs_num
         return {
-            "id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
+            "id": new_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": now(),
             "model": manager.model_name,
-            "choices": [{"index": r.index, "message": {"role": "assistant", "content": r.text},
-                         "logprobs": chat_lp(r, top),
-                         "finish_reason": finish_reason(r.finish_reason)} for r in results],
+            "choices": [
+                {
+                    "index": r.index,
+                    "message": {"role": "assistant", "content": r.text},
+                    "logprobs": chat_lp(r, top),
+                    "finish_reason": finish_reason(r.finish_reason),
+                }
+                for r in results
+            ],
             "usage": usage(len(seqs[0].input_ids), sum(r.completion_tokens for r in results)),
         }
 

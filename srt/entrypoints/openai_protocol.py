@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,9 +25,17 @@ MAX_CHOICES = 128
 
 # OpenAI options this server does not implement, with the value that means "not used": a
 # request that sets one to anything else is refused rather than silently served without it.
-_UNSUPPORTED = {"echo": False, "suffix": None, "best_of": 1, "presence_penalty": 0,
-                "frequency_penalty": 0, "logit_bias": {}, "tools": [], "functions": [],
-                "response_format": {"type": "text"}}
+_UNSUPPORTED: dict[str, Any] = {
+    "echo": False,
+    "suffix": None,
+    "best_of": 1,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": {},
+    "tools": [],
+    "functions": [],
+    "response_format": {"type": "text"},
+}
 
 
 class _Request(BaseModel):
@@ -75,23 +83,26 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _params(self, max_new_tokens: int | None, logprobs: bool, top_logprobs: int
-                ) -> SamplingParams:
+    def _params(
+        self, max_new_tokens: int | None, logprobs: bool, top_logprobs: int
+    ) -> SamplingParams:
         """The sampling parameters of every choice (the front end gives each its seed)."""
-        return SamplingParams.from_dict({
-            "max_new_tokens": max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "seed": self.seed,
-            "stop": self.stop,
-            "stop_token_ids": self.stop_token_ids,
-            "ignore_eos": self.ignore_eos,
-            "skip_special_tokens": self.skip_special_tokens,
-            "logprobs": logprobs,
-            "top_logprobs_num": top_logprobs,
-        })
+        return SamplingParams.from_dict(
+            {
+                "max_new_tokens": max_new_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "top_k": self.top_k,
+                "min_p": self.min_p,
+                "seed": self.seed,
+                "stop": self.stop,
+                "stop_token_ids": self.stop_token_ids,
+                "ignore_eos": self.ignore_eos,
+                "skip_special_tokens": self.skip_special_tokens,
+                "logprobs": logprobs,
+                "top_logprobs_num": top_logprobs,
+            }
+        )
 
 
 class CompletionRequest(_SamplingRequest):
@@ -109,7 +120,8 @@ class CompletionRequest(_SamplingRequest):
             return [p]
         if not p:
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        return list(p)
+        # A list of ints was returned above; mypy cannot narrow a list by its first element.
+        return list(cast(list[str] | list[list[int]], p))
 
     def sampling_params(self) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or 0)
@@ -140,8 +152,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def names(self) -> dict[str, str]:
         """What the front end's messages call OpenAI's fields."""
-        max_name = "max_tokens" if self.max_completion_tokens is None else \
-            "max_completion_tokens"
+        max_name = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
         return {"max_new_tokens": max_name, "top_logprobs_num": "top_logprobs"}
 
     @property
@@ -150,8 +161,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling_params(self) -> SamplingParams:
-        max_new = self.max_tokens if self.max_completion_tokens is None \
-            else self.max_completion_tokens
+        max_new = (
+            self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+        )
         return self._params(max_new, self.logprobs, self.top_logprobs or 0)
 
 
@@ -167,6 +179,7 @@ class GenerateRequest(_Request):
 
 # ---- response pieces -----------------------------------------------------------------------
 
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -176,8 +189,11 @@ def now() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -185,9 +201,13 @@ def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[float],
-                        top: list[list[tuple[int, float]]], text_of: Callable[[int], str],
-                        offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[float],
+    top: list[list[tuple[int, float]]],
+    text_of: Callable[[int], str],
+    offset: int,
+) -> dict[str, Any]:
     """/v1/completions `logprobs` object; `offset` is where these tokens start in the text."""
     tokens = [text_of(t) for t in token_ids]
     # Keyed by text, as OpenAI has it: tokens that decode alike (partial characters) share a
@@ -205,9 +225,12 @@ def completion_logprobs(token_ids: list[int], logprobs: list[float],
     }
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[float],
-                  top: list[list[tuple[int, float]]], text_of: Callable[[int], str]
-                  ) -> dict[str, Any]:
+def chat_logprobs(
+    token_ids: list[int],
+    logprobs: list[float],
+    top: list[list[tuple[int, float]]],
+    text_of: Callable[[int], str],
+) -> dict[str, Any]:
     """/v1/chat/completions `logprobs` object."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
@@ -215,7 +238,9 @@ def chat_logprobs(token_ids: list[int], logprobs: list[float],
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     rows = top or [[] for _ in token_ids]
-    return {"content": [
-        {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in row]}
-        for t, lp, row in zip(token_ids, logprobs, rows, strict=True)
-    ]}
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in row]}
+            for t, lp, row in zip(token_ids, logprobs, rows, strict=True)
+        ]
+    }

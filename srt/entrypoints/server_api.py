@@ -33,9 +33,14 @@ def server_router(manager: TokenizerManager) -> APIRouter:
         cfg = manager.model_config
         return {
             "server_args": args,
-            "model": {"name": manager.model_name, "path": str(cfg.path),
-                      "architecture": cfg.architecture, "num_layers": cfg.num_layers,
-                      "vocab_size": cfg.vocab_size, "context_length": manager.context_length},
+            "model": {
+                "name": manager.model_name,
+                "path": str(cfg.path),
+                "architecture": cfg.architecture,
+                "num_layers": cfg.num_layers,
+                "vocab_size": cfg.vocab_size,
+                "context_length": manager.context_length,
+            },
             **manager.startup,
             "runner": info.runner,
             "graphs": info.runner["graphs"],
@@ -46,8 +51,9 @@ def server_router(manager: TokenizerManager) -> APIRouter:
     @router.get("/metrics")
     async def metrics() -> Response:
         info = await manager.get_info()
-        body = manager.metrics.render(info.scheduler, info.runner,
-                                      manager.startup.get("startup_s", 0.0))
+        body = manager.metrics.render(
+            info.scheduler, info.runner, manager.startup.get("startup_s", 0.0)
+        )
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @router.post("/flush_cache")

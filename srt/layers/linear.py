@@ -30,7 +30,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size))
         self.bias = nn.Parameter(torch.empty(sum(output_sizes))) if bias else None
         for p in self.parameters():
-            p.weight_loader = self.weight_loader
+            # The loader travels on the Parameter (vLLM's convention); model_loader reads it
+            # back with getattr. Parameter declares no such attribute.
+            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         start = sum(self.output_sizes[:shard])

@@ -33,13 +33,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(nn.Module):
+    cos_cache: torch.Tensor  # buffers, [max_position, head_dim / 2]
+    sin_cache: torch.Tensor
+
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32),
-                            rope_inv_freq(head_dim, theta, scaling))
+        freqs = torch.outer(
+            torch.arange(max_position, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling)
+        )
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 

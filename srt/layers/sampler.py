@@ -76,11 +76,12 @@ def sample(
 
 def logprobs_of(
     logits: torch.Tensor, token_ids: torch.Tensor, top_n: int = 0
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Log-probabilities (of the model's distribution) of `token_ids`, and the top `top_n`."""
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Log-probabilities (of the model's distribution) of `token_ids`, and the top `top_n`
+    (values and ids; None when `top_n` is 0)."""
     logp = torch.log_softmax(logits, dim=-1)
     chosen = logp.gather(-1, token_ids[:, None]).squeeze(-1)
     if top_n <= 0:
-        return chosen, None, None
+        return chosen, None
     top_vals, top_ids = logp.topk(top_n, dim=-1)
-    return chosen, top_vals, top_ids
+    return chosen, (top_vals, top_ids)

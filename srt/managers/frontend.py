@@ -43,22 +43,32 @@ class Seq:
     params: SamplingParams
 
 
-def check_seq(input_ids: list[int], params: SamplingParams, limits: RequestLimits,
-              names: Mapping[str, str] | None = None) -> None:
+def check_seq(
+    input_ids: list[int],
+    params: SamplingParams,
+    limits: RequestLimits,
+    names: Mapping[str, str] | None = None,
+) -> None:
     """InvalidRequest for a sequence that can never be served (its max_new_tokens resolved)."""
     if not input_ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
     vocab = limits.vocab_size
-    bad = [t for t in input_ids if not (isinstance(t, int) and not isinstance(t, bool)
-                                        and 0 <= t < vocab)]
+    bad = [
+        t
+        for t in input_ids
+        if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)
+    ]
     if bad:
-        raise InvalidRequest(f"invalid token id {bad[0]!r}: ids must be in [0, {vocab})",
-                             param="prompt")
+        raise InvalidRequest(
+            f"invalid token id {bad[0]!r}: ids must be in [0, {vocab})", param="prompt"
+        )
     context = limits.context_length
     if len(input_ids) >= context:
         raise InvalidRequest(
             f"the prompt has {len(input_ids)} tokens; the context length is {context}",
-            param="prompt", code="context_length_exceeded")
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if params.max_new_tokens is None:
         raise TypeError("max_new_tokens is resolved by the front end before this check")
     need = len(input_ids) + params.max_new_tokens
@@ -67,10 +77,12 @@ def check_seq(input_ids: list[int], params: SamplingParams, limits: RequestLimit
             f"the context length is {context} tokens, but the request asks for {need} "
             f"({len(input_ids)} in the prompt, {params.max_new_tokens} to generate)",
             param=(names or {}).get("max_new_tokens", "max_new_tokens"),
-            code="context_length_exceeded")
+            code="context_length_exceeded",
+        )
     if need > limits.kv_capacity:
         raise InvalidRequest(
-            f"the request needs {need} KV slots; the KV cache holds {limits.kv_capacity}")
+            f"the request needs {need} KV slots; the KV cache holds {limits.kv_capacity}"
+        )
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:
@@ -86,8 +98,9 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     return x - (1 << 64) if x >= 1 << 63 else x  # as a signed 64-bit integer
 
 
-def parse_native_prompts(text: Any, input_ids: Any, text_name: str = "text"
-                         ) -> tuple[bool, list[Prompt]]:
+def parse_native_prompts(
+    text: Any, input_ids: Any, text_name: str = "text"
+) -> tuple[bool, list[Prompt]]:
     """(whether one prompt was given, the prompts) of SGLang's native form: `text_name` (a
     string or a list of them) or `input_ids` (a list of ids or a list of such lists)."""
     if (text is None) == (input_ids is None):
@@ -96,18 +109,19 @@ def parse_native_prompts(text: Any, input_ids: Any, text_name: str = "text"
         if isinstance(text, str):
             return True, [text]
         if not (isinstance(text, list) and all(isinstance(p, str) for p in text)):
-            raise InvalidRequest(f"{text_name} must be a string or a list of strings",
-                                 param=text_name)
+            raise InvalidRequest(
+                f"{text_name} must be a string or a list of strings", param=text_name
+            )
         return False, list(text)
     if not isinstance(input_ids, list | tuple):
-        raise InvalidRequest("input_ids must be a list of token ids or a list of such lists",
-                             param="input_ids")
+        raise InvalidRequest(
+            "input_ids must be a list of token ids or a list of such lists", param="input_ids"
+        )
     nested = [isinstance(i, list | tuple) for i in input_ids]
     if input_ids and all(nested):
         return False, [list(i) for i in input_ids]
     if any(nested):
-        raise InvalidRequest("input_ids mixes token ids and lists of token ids",
-                             param="input_ids")
+        raise InvalidRequest("input_ids mixes token ids and lists of token ids", param="input_ids")
     return True, [list(input_ids)]
 
 
@@ -115,8 +129,11 @@ def native_params(raw: Any, n: int) -> list[SamplingParams]:
     """Per-prompt parameters from SGLang's `sampling_params`: one dict for all, or a list."""
     if isinstance(raw, list):
         if len(raw) != n:
-            raise InvalidRequest(f"sampling_params list must match the number of prompts: "
-                                 f"{len(raw)} entries for {n} prompts", param="sampling_params")
+            raise InvalidRequest(
+                f"sampling_params list must match the number of prompts: "
+                f"{len(raw)} entries for {n} prompts",
+                param="sampling_params",
+            )
         return [SamplingParams.from_dict(p) for p in raw]
     return [SamplingParams.from_dict(raw) for _ in range(n)]
 
@@ -136,10 +153,13 @@ class RequestFrontend:
             raise InvalidRequest(
                 f"{what} has {len(text)} characters; at most {self.max_prompt_chars} can fit "
                 f"in the context length of {self.limits.context_length} tokens",
-                param=param, code="context_length_exceeded")
+                param=param,
+                code="context_length_exceeded",
+            )
         if not is_encodable(text):
-            raise InvalidRequest(f"{what} is not valid Unicode (a lone surrogate cannot be "
-                                 "encoded)", param=param)
+            raise InvalidRequest(
+                f"{what} is not valid Unicode (a lone surrogate cannot be encoded)", param=param
+            )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.check_text(text)
@@ -154,15 +174,19 @@ class RequestFrontend:
                 messages, add_generation_prompt=True, tokenize=False
             )
         except Exception as e:  # jinja raises its own types for templates that reject input
-            raise InvalidRequest(f"cannot apply the chat template: {e}",
-                                 param="messages") from e
+            raise InvalidRequest(f"cannot apply the chat template: {e}", param="messages") from e
         return self.encode(prompt, add_special_tokens=False)  # the template has them
 
     # ---- whole requests -----------------------------------------------------------------
 
-    def seqs(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
-             num_choices: int = 1, default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS,
-             names: Mapping[str, str] | None = None) -> list[Seq]:
+    def seqs(
+        self,
+        prompts: Sequence[Prompt],
+        params: Sequence[SamplingParams],
+        num_choices: int = 1,
+        default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS,
+        names: Mapping[str, str] | None = None,
+    ) -> list[Seq]:
         """`num_choices` sequences per prompt (prompt-major), each prompt with its params.
 
         An unset max_new_tokens is `default_max_new_tokens` (None: no default) cut to what the
@@ -176,16 +200,20 @@ class RequestFrontend:
             max_new = p.max_new_tokens
             if max_new is None:
                 left = max(self.limits.context_length - len(ids), 0)
-                max_new = left if default_max_new_tokens is None else min(
-                    default_max_new_tokens, left)
+                max_new = (
+                    left if default_max_new_tokens is None else min(default_max_new_tokens, left)
+                )
             p = dataclasses.replace(p, max_new_tokens=max_new)
             check_seq(ids, p, self.limits, names)
-            out += [Seq(ids, dataclasses.replace(p, seed=choice_seed(p.seed, i)))
-                    for i in range(num_choices)]
+            out += [
+                Seq(ids, dataclasses.replace(p, seed=choice_seed(p.seed, i)))
+                for i in range(num_choices)
+            ]
         return out
 
-    def native(self, text: Any, input_ids: Any, sampling_params: Any,
-               text_name: str = "text") -> tuple[bool, list[Seq]]:
+    def native(
+        self, text: Any, input_ids: Any, sampling_params: Any, text_name: str = "text"
+    ) -> tuple[bool, list[Seq]]:
         """SGLang's native request (/generate, Engine.generate): (single, sequences)."""
         single, prompts = parse_native_prompts(text, input_ids, text_name)
         return single, self.seqs(prompts, native_params(sampling_params, len(prompts)))

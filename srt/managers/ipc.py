@@ -11,9 +11,12 @@ import pickle
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
+
+# A sync context makes sync sockets, a zmq.asyncio one asyncio sockets (recv returns a Future).
+SocketT = TypeVar("SocketT", bound=zmq.Socket)
 
 
 @dataclass(frozen=True)
@@ -53,20 +56,20 @@ class Endpoints:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+def _socket(ctx: zmq.Context[SocketT], kind: int) -> SocketT:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)  # never block shutdown on undelivered messages
     sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)  # no silent drops
     return sock
 
 
-def bind_pull(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def bind_pull(ctx: zmq.Context[SocketT], endpoint: str) -> SocketT:
     sock = _socket(ctx, zmq.PULL)
     sock.bind(endpoint)
     return sock
 
 
-def connect_push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def connect_push(ctx: zmq.Context[SocketT], endpoint: str) -> SocketT:
     sock = _socket(ctx, zmq.PUSH)
     sock.connect(endpoint)
     return sock

@@ -11,8 +11,29 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
-                    0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 def graph_figures(runner_info: dict[str, Any]) -> dict[str, float]:
@@ -32,17 +53,29 @@ def graph_figures(runner_info: dict[str, Any]) -> dict[str, float]:
 class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("srt_requests", "Finished requests by finish reason.",
-                                ["finish_reason"], registry=r)
+        self.requests = Counter(
+            "srt_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
+        )
         self.prompt_tokens = Counter("srt_prompt_tokens", "Prompt tokens received.", registry=r)
-        self.generation_tokens = Counter("srt_generation_tokens", "Tokens generated.",
-                                         registry=r)
-        self.ttft = Histogram("srt_time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("srt_inter_token_latency_seconds", "Time between output tokens.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("srt_e2e_request_latency_seconds", "Request latency, end to end.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.generation_tokens = Counter("srt_generation_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram(
+            "srt_time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "srt_inter_token_latency_seconds",
+            "Time between output tokens.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "srt_e2e_request_latency_seconds",
+            "Request latency, end to end.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.gauges = {
             name: Gauge(f"srt_{name}", doc, registry=r)
             for name, doc in [
@@ -65,8 +98,9 @@ class ServerMetrics:
         self.requests.labels(reason).inc()
         self.e2e.observe(e2e_s)
 
-    def render(self, scheduler_info: dict[str, Any], runner_info: dict[str, Any],
-               startup_s: float) -> bytes:
+    def render(
+        self, scheduler_info: dict[str, Any], runner_info: dict[str, Any], startup_s: float
+    ) -> bytes:
         """The Prometheus text exposition, gauges set from the live info."""
         graphs = graph_figures(runner_info)
         values = {

@@ -55,16 +55,16 @@ class SeqResult:
         """SGLang's result shape: text, output_ids and meta_info, with (logprob, token id)
         pairs when logprobs were asked for."""
         meta: dict[str, Any] = {
-            "finish_reason": self.finish_reason, "matched_stop": self.matched_stop,
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "finish_reason": self.finish_reason,
+            "matched_stop": self.matched_stop,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
         }
         if self.logprobs:
-            meta["output_token_logprobs"] = list(zip(self.logprobs, self.token_ids,
-                                                     strict=True))
+            meta["output_token_logprobs"] = list(zip(self.logprobs, self.token_ids, strict=True))
         if self.top_logprobs:
-            meta["output_top_logprobs"] = [[(v, t) for t, v in row]
-                                           for row in self.top_logprobs]
+            meta["output_top_logprobs"] = [[(v, t) for t, v in row] for row in self.top_logprobs]
         return {"text": self.text, "output_ids": self.token_ids, "meta_info": meta}
 
 
@@ -94,9 +94,15 @@ class SeqDecoder:
             self.finished = True
         self.completion_tokens += kept
         update = SeqUpdate(
-            index=self.index, text=text, token_ids=out.new_token_ids[:kept],
-            logprobs=out.logprobs[:kept], top_logprobs=out.top_logprobs[:kept],
-            finish_reason=finish, matched_stop=matched, prompt_tokens=out.prompt_tokens,
-            completion_tokens=self.completion_tokens, cached_tokens=out.cached_tokens,
+            index=self.index,
+            text=text,
+            token_ids=out.new_token_ids[:kept],
+            logprobs=out.logprobs[:kept],
+            top_logprobs=out.top_logprobs[:kept],
+            finish_reason=finish,
+            matched_stop=matched,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=out.cached_tokens,
         )
         return update, finish is not None and out.finished_reason is None

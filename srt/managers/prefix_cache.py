@@ -71,7 +71,10 @@ class PrefixCache:
     def detach(self, req: Req) -> None:
         self._lock(req.cache_node, -1)
         req.slots, req.kv_len, req.cached_tokens, req.cache_node = (
-            np.zeros(0, np.int32), 0, 0, None
+            np.zeros(0, np.int32),
+            0,
+            0,
+            None,
         )
 
     def release(self, req: Req, tokens: list[int], slots: np.ndarray) -> None:
@@ -79,15 +82,16 @@ class PrefixCache:
         existed = self._insert(tokens, slots)
         # Tokens past the request's own hit that another request cached meanwhile: ours are
         # duplicates of slots the tree already owns.
-        self.allocator.free(slots[req.cached_tokens:existed])
+        self.allocator.free(slots[req.cached_tokens : existed])
         if req.cache_node is not None:
             self._lock(req.cache_node, -1)
             req.cache_node = None
 
     def evict(self, num_slots: int) -> int:
         """Free at least `num_slots` slots from unlocked leaves (LRU first) if possible."""
-        leaves = [(n.last_access, id(n), n) for n in self._nodes()
-                  if not n.children and n.lock_ref == 0]
+        leaves = [
+            (n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0
+        ]
         heapq.heapify(leaves)
         freed = 0
         while freed < num_slots and leaves:
@@ -96,6 +100,7 @@ class PrefixCache:
             freed += len(node.slots)
             self.size -= len(node.slots)
             parent = node.parent
+            assert parent is not None, "only the root has no parent, and it is never a leaf here"
             del parent.children[node.key[0]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
@@ -115,10 +120,12 @@ class PrefixCache:
 
     def _split(self, node: _Node, at: int) -> _Node:
         """Cut `node` after `at` tokens; return the new upper node."""
-        upper = _Node(node.parent, node.key[:at], node.slots[:at])
+        parent = node.parent
+        assert parent is not None, "the root is never split"
+        upper = _Node(parent, node.key[:at], node.slots[:at])
         upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
         upper.children = {node.key[at]: node}
-        node.parent.children[node.key[0]] = upper
+        parent.children[node.key[0]] = upper
         node.parent, node.key, node.slots = upper, node.key[at:], node.slots[at:]
         return upper
 

@@ -105,8 +105,13 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.rng = random.Random(args.seed)
         self.step_count = 0
-        self.stats = {"prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
-                      "generated_tokens": 0, "cached_tokens": 0}
+        self.stats = {
+            "prefill_steps": 0,
+            "decode_steps": 0,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "cached_tokens": 0,
+        }
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -222,14 +227,21 @@ class Scheduler:
         budget = self.args.max_prefill_tokens
         items: list[tuple[Req, int]] = []
         if self.chunked is not None:
-            extend = min(len(self.chunked.input_ids) - self.chunked.kv_len,
-                         self.args.chunked_prefill_size, budget)
+            extend = min(
+                len(self.chunked.input_ids) - self.chunked.kv_len,
+                self.args.chunked_prefill_size,
+                budget,
+            )
             items.append((self.chunked, extend))
             budget -= extend
         admitted_need = 0  # future KV of requests admitted below (not yet in `running`)
-        while (self.waiting and budget > 0 and self.chunked is None
-               and len(self.running) + len(items) < self.args.max_running_requests
-               and self.rows.available):
+        while (
+            self.waiting
+            and budget > 0
+            and self.chunked is None
+            and len(self.running) + len(items) < self.args.max_running_requests
+            and self.rows.available
+        ):
             req = self.waiting[0]
             if self.prefix_cache is not None:
                 self.prefix_cache.attach(req)
@@ -268,7 +280,7 @@ class Scheduler:
                 req.table_len = req.kv_len + 1
             ids = np.fromiter((r.output_ids[-1] for r, _ in items), np.int32, n)
             positions, locs = kv_lens, new
-            table = (req_rows, kv_lens, new)
+            table = [req_rows, kv_lens, new]
         else:
             parts: list[list[np.ndarray]] = [[], [], [], [], [], []]
             for req, extend in items:
@@ -276,14 +288,18 @@ class Scheduler:
                 start, end = req.kv_len, req.kv_len + extend
                 req.add_slots(new)
                 # The runner's table row learns every slot it lacks (a prefix hit's too).
-                for part, array in zip(parts, (
-                    np.asarray(req.input_ids[start:end], np.int32),
-                    np.arange(start, end, dtype=np.int32),
-                    new,
-                    np.full(end - req.table_len, req.row, np.int32),
-                    np.arange(req.table_len, end, dtype=np.int32),
-                    req.slots[req.table_len:end],
-                ), strict=True):
+                for part, array in zip(
+                    parts,
+                    (
+                        np.asarray(req.input_ids[start:end], np.int32),
+                        np.arange(start, end, dtype=np.int32),
+                        new,
+                        np.full(end - req.table_len, req.row, np.int32),
+                        np.arange(req.table_len, end, dtype=np.int32),
+                        req.slots[req.table_len : end],
+                    ),
+                    strict=True,
+                ):
                     part.append(array)
                 req.table_len = end
             ids, positions, locs, *table = (np.concatenate(p) for p in parts)
@@ -301,8 +317,9 @@ class Scheduler:
             table_slots=table[2],
             temperatures=np.array([p.temperature for p in params], np.float32),
             top_ps=np.array([p.top_p for p in params], np.float32),
-            top_ks=np.array([p.top_k if p.top_k > 0 else self.vocab_size for p in params],
-                            np.int64),
+            top_ks=np.array(
+                [p.top_k if p.top_k > 0 else self.vocab_size for p in params], np.int64
+            ),
             min_ps=np.array([p.min_p for p in params], np.float32),
             seeds=np.array([r.seed for r, _ in items], np.int64),
             return_logprob=any(p.logprobs for p in params),
@@ -311,14 +328,18 @@ class Scheduler:
         )
 
     def _record_logprobs(self, req: Req, result: BatchResult, i: int) -> None:
+        assert result.logprobs is not None, "only for a result that carries logprobs"
         req.logprobs.append(float(result.logprobs[i]))
         n = req.params.top_logprobs_num
-        if n and result.top_logprob_ids is not None:
-            req.top_logprobs.append([
-                (int(t), float(v))
-                for t, v in zip(result.top_logprob_ids[i][:n], result.top_logprob_vals[i][:n],
-                                strict=True)
-            ])
+        if n and result.top_logprob_ids is not None and result.top_logprob_vals is not None:
+            req.top_logprobs.append(
+                [
+                    (int(t), float(v))
+                    for t, v in zip(
+                        result.top_logprob_ids[i][:n], result.top_logprob_vals[i][:n], strict=True
+                    )
+                ]
+            )
 
     def _check_finished(self, req: Req, token: int) -> None:
         p = req.params
@@ -355,9 +376,8 @@ class Scheduler:
             prompt_tokens=len(req.input_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
-            logprobs=req.logprobs[-len(new_ids):] if new_ids and req.logprobs else [],
-            top_logprobs=req.top_logprobs[-len(new_ids):] if new_ids and req.top_logprobs
-            else [],
+            logprobs=req.logprobs[-len(new_ids) :] if new_ids and req.logprobs else [],
+            top_logprobs=req.top_logprobs[-len(new_ids) :] if new_ids and req.top_logprobs else [],
         )
 
     def info(self) -> dict[str, Any]:

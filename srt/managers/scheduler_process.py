@@ -43,6 +43,7 @@ class SchedulerLoop:
         self.results = bind_pull(self.ctx, endpoints.runner_results)
         self.to_runner = connect_push(self.ctx, endpoints.runner_inbox)
         self.to_tokenizer = connect_push(self.ctx, endpoints.tokenizer_inbox)
+        assert args.model_path is not None, "the launcher resolves model_path"
         config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
         ready = recv(self.results)  # the runner's first message, once its KV cache exists
         if not isinstance(ready, RunnerReady):

@@ -10,8 +10,14 @@ from srt.model_config import ModelLoadError
 
 # The files a Hugging Face tokenizer is loaded from (fast, SentencePiece, BPE, WordPiece,
 # tiktoken); a model directory with none of them has no tokenizer to load.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "tiktoken.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tiktoken.model",
+)
 
 
 def check_tokenizer_files(path: str | Path) -> None:
@@ -19,8 +25,9 @@ def check_tokenizer_files(path: str | Path) -> None:
     before anything starts; loading the tokenizer takes longer, and happens in parallel)."""
     path = Path(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelLoadError(f"{path} has no tokenizer files (none of "
-                             f"{', '.join(TOKENIZER_FILES)})")
+        raise ModelLoadError(
+            f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})"
+        )
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -97,8 +104,9 @@ class IncrementalDetokenizer:
     matched: the scheduler works on token ids only.
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
-                 stop: list[str] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, skip_special_tokens: bool = True, stop: list[str] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
@@ -119,10 +127,10 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         # Decode a short window: the tokens before the read offset give context for spacing.
-        prefix = self._decode(self.ids[self._prefix_offset:self._read_offset])
-        new = self._decode(self.ids[self._prefix_offset:])
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        new = self._decode(self.ids[self._prefix_offset :])
         if len(new) > len(prefix) and not new.endswith("\ufffd"):
-            self.text += new[len(prefix):]
+            self.text += new[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         return self._release(final=False)
 
@@ -130,16 +138,16 @@ class IncrementalDetokenizer:
         """The rest of the text, cut before the first stop string."""
         if self.stopped:
             return ""
-        tail = self._decode(self.ids[self._prefix_offset:])
-        prefix = self._decode(self.ids[self._prefix_offset:self._read_offset])
-        self.text += tail[len(prefix):]
+        tail = self._decode(self.ids[self._prefix_offset :])
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        self.text += tail[len(prefix) :]
         self._prefix_offset = self._read_offset = len(self.ids)
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
         end = len(self.text)
         if self._matcher is not None:
-            hit = self._matcher.feed(self.text[self._matched_upto:])
+            hit = self._matcher.feed(self.text[self._matched_upto :])
             if hit is not None:
                 stop_end, self.matched_stop = self._matched_upto + hit[0], hit[1]
                 end = stop_end - len(hit[1])
@@ -149,5 +157,5 @@ class IncrementalDetokenizer:
                 end -= self._matcher.pending
             self._matched_upto = len(self.text)
         end = max(end, self.sent)
-        delta, self.sent = self.text[self.sent:end], end
+        delta, self.sent = self.text[self.sent : end], end
         return delta

@@ -16,7 +16,7 @@ import pickle
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -54,6 +54,7 @@ class TokenizerManager:
     def __init__(self, args: ServerArgs, endpoints: Endpoints, model_config: ModelConfig) -> None:
         self.args = args
         self.model_config = model_config
+        assert args.model_path is not None, "the launcher resolves model_path"
         self.model_name = args.served_model_name or args.model_path
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.metrics = ServerMetrics()
@@ -79,8 +80,9 @@ class TokenizerManager:
 
     def mark_ready(self, context_length: int, kv_capacity: int, startup: dict[str, Any]) -> None:
         self.context_length, self.kv_capacity, self.startup = context_length, kv_capacity, startup
-        self.frontend = RequestFrontend(self.tokenizer, RequestLimits(
-            self.model_config.vocab_size, context_length, kv_capacity))
+        self.frontend = RequestFrontend(
+            self.tokenizer, RequestLimits(self.model_config.vocab_size, context_length, kv_capacity)
+        )
         self.ready = True
 
     def fail(self, reason: str) -> int:
@@ -90,7 +92,8 @@ class TokenizerManager:
         ended = len(self.seq_queues)
         for rid, queue in self.seq_queues.items():
             queue.put_nowait(TokenOutput(rid, [], finished_reason="abort", error=reason))
-        for waiter in [*self.info_waiters.values(), *self.flush_waiters]:
+        waiters: list[asyncio.Future[Any]] = [*self.info_waiters.values(), *self.flush_waiters]
+        for waiter in waiters:
             if not waiter.done():
                 waiter.set_exception(ServerNotReady(reason))
         return ended
@@ -113,13 +116,13 @@ class TokenizerManager:
                     if queue is not None:  # else: aborted here, the scheduler's echo
                         queue.put_nowait(msg)
                 elif isinstance(msg, InfoOutput):
-                    waiter = self.info_waiters.pop(msg.req_id, None)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(msg)
+                    info_waiter = self.info_waiters.pop(msg.req_id, None)
+                    if info_waiter is not None and not info_waiter.done():
+                        info_waiter.set_result(msg)
                 elif isinstance(msg, FlushCacheOutput):
-                    waiter = self.flush_waiters.popleft()
-                    if not waiter.done():
-                        waiter.set_result(msg.success)
+                    flush_waiter = self.flush_waiters.popleft()
+                    if not flush_waiter.done():
+                        flush_waiter.set_result(msg.success)
 
     def check_ready(self) -> None:
         if not self.ready:
@@ -152,21 +155,22 @@ class TokenizerManager:
         self.check_ready()
         frontend = self.frontend
         assert frontend is not None
-        return await asyncio.get_running_loop().run_in_executor(
-            self.prepare_pool, build, frontend)
+        return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, build, frontend)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def generate(self, seqs: list[Seq]) -> AsyncIterator[SeqUpdate]:
+    async def generate(self, seqs: list[Seq]) -> AsyncGenerator[SeqUpdate, None]:
         """Run prepared sequences; yield each step's update until every one has finished."""
         self.check_ready()
         arrival = time.perf_counter()
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         base = uuid.uuid4().hex
         rids = [f"{base}-{i}" for i in range(len(seqs))]
-        decoders = {rid: SeqDecoder(i, self.tokenizer, seq.params)
-                    for i, (rid, seq) in enumerate(zip(rids, seqs, strict=True))}
+        decoders = {
+            rid: SeqDecoder(i, self.tokenizer, seq.params)
+            for i, (rid, seq) in enumerate(zip(rids, seqs, strict=True))
+        }
         last_seen: dict[str, float] = {}
         pending = set(rids)
         for rid, seq in zip(rids, seqs, strict=True):
@@ -183,9 +187,11 @@ class TokenizerManager:
                 update, abort = decoders[out.rid].update(out)
                 now = time.perf_counter()
                 if update.token_ids:
-                    self.metrics.observe_tokens(len(update.token_ids),
-                                                now - last_seen.get(out.rid, arrival),
-                                                first=out.rid not in last_seen)
+                    self.metrics.observe_tokens(
+                        len(update.token_ids),
+                        now - last_seen.get(out.rid, arrival),
+                        first=out.rid not in last_seen,
+                    )
                     last_seen[out.rid] = now
                 if update.finish_reason is not None:
                     pending.discard(out.rid)

@@ -15,6 +15,7 @@ segments is written by that same replay.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,13 @@ class SplitAtOps(TorchFunctionMode):
         self.segments: list[Graph] = []
         self.calls: list[SplitCall] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if not (isinstance(func, torch._ops.OpOverload) and func.name() in self.names):
             return func(*args, **kwargs)
@@ -102,11 +109,14 @@ class BreakableGraphRunner(BucketRunner):
         with splitter:
             session.begin()
             logits = forward_logits(self.env.model, padded)
-            self.logits[: logits.shape[0]].copy_(logits)
+            self.static_logits(logits.shape[0]).copy_(logits)
             splitter.segments.append(session.end())
         calls = [
-            SplitCall(c.op, tree_map_only(torch.Tensor, unowned, c.args),
-                      tree_map_only(torch.Tensor, unowned, c.kwargs))
+            SplitCall(
+                c.op,
+                tree_map_only(torch.Tensor, unowned, c.args),
+                tree_map_only(torch.Tensor, unowned, c.kwargs),
+            )
             for c in splitter.calls
         ]
         return SegmentedGraph(splitter.segments, calls)
@@ -116,4 +126,4 @@ class BreakableGraphRunner(BucketRunner):
         self.env.attn_backend.init_forward_metadata(batch)
         with forward_context(batch):
             graph.replay()
-        return self.logits[: padded.batch_size]
+        return self.static_logits(padded.batch_size)

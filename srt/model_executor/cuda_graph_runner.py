@@ -61,8 +61,13 @@ class FullGraphRunner(BucketRunner):
         if self.compiled is not None and bucket <= self.env.args.torch_compile_max_bs:
             fn, limits = self.compiled, torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
         with forward_context(padded), limits:
-            return fn(self.env.model, padded.input_ids, padded.positions,
-                      padded.extend_start_loc, padded.extend_lens)
+            return fn(
+                self.env.model,
+                padded.input_ids,
+                padded.positions,
+                padded.extend_start_loc,
+                padded.extend_lens,
+            )
 
     def warmup(self, padded: ForwardBatch, bucket: int) -> None:
         self.env.attn_backend.init_forward_metadata_capture(padded)
@@ -71,14 +76,14 @@ class FullGraphRunner(BucketRunner):
     def record(self, padded: ForwardBatch, bucket: int, session: CaptureSession) -> Graph:
         session.begin()
         logits = self._forward(padded, bucket)
-        self.logits[: logits.shape[0]].copy_(logits)
+        self.static_logits(logits.shape[0]).copy_(logits)
         return session.end()
 
     def replay(self, graph: Graph, padded: ForwardBatch, bucket: int) -> torch.Tensor:
         self.env.attn_backend.init_forward_metadata_replay(padded, bucket)
         with forward_context(padded):
             graph.replay()
-        return self.logits[: padded.batch_size]
+        return self.static_logits(padded.batch_size)
 
     def info(self) -> dict[str, Any]:
         info = super().info()

@@ -58,8 +58,7 @@ def to_device_packed(
     inputs are a dozen small arrays, and each copy costs a host-device round trip."""
     np_dtype = np.int64 if dtype == torch.int64 else np.float32
     packed = torch.from_numpy(np.concatenate(arrays).astype(np_dtype, copy=False))
-    return list(packed.to(device, dtype=dtype, non_blocking=True)
-                .split([len(a) for a in arrays]))
+    return list(packed.to(device, dtype=dtype, non_blocking=True).split([len(a) for a in arrays]))
 
 
 def forward_batch_from_host(
@@ -79,8 +78,13 @@ def forward_batch_from_host(
     seq_lens = prefix_lens + extend_lens
     extend_start = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).astype(np.int64)
     ids, pos, locs, rows, lens = to_device_packed(
-        [input_ids, positions, out_cache_loc, req_pool_indices,
-         np.concatenate([seq_lens, prefix_lens, extend_lens, extend_start])],
+        [
+            input_ids,
+            positions,
+            out_cache_loc,
+            req_pool_indices,
+            np.concatenate([seq_lens, prefix_lens, extend_lens, extend_start]),
+        ],
         req_to_token.device,
     )
     seq, prefix, extend, start = lens.to(torch.int32).split(len(extend_lens))
@@ -138,6 +142,8 @@ def pad_tokens(batch: ForwardBatch, padded_tokens: int) -> ForwardBatch:
         return torch.cat([t, t.new_zeros(extra)])
 
     return dataclasses.replace(
-        batch, input_ids=pad(batch.input_ids), positions=pad(batch.positions),
+        batch,
+        input_ids=pad(batch.input_ids),
+        positions=pad(batch.positions),
         out_cache_loc=pad(batch.out_cache_loc),
     )

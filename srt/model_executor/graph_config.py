@@ -36,8 +36,13 @@ def default_decode_ladder() -> list[int]:
 
 
 def default_prefill_ladder() -> list[int]:
-    return (list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 513, 32))
-            + list(range(576, 1025, 64)) + list(range(1280, 4097, 256)))
+    return (
+        list(range(4, 33, 4))
+        + list(range(48, 257, 16))
+        + list(range(288, 513, 32))
+        + list(range(576, 1025, 64))
+        + list(range(1280, 4097, 256))
+    )
 
 
 class GraphConfigError(ValueError):
@@ -64,7 +69,10 @@ def _flag(phase: Phase, name: str) -> str:
 
 
 def _phase_config(
-    phase: Phase, raw: dict[str, Any], device: str, decode_graph_capable: bool,
+    phase: Phase,
+    raw: dict[str, Any],
+    device: str,
+    decode_graph_capable: bool,
     where: Callable[[str], str],
 ) -> PhaseConfig:
     default = "disabled"
@@ -98,8 +106,7 @@ def _phase_config(
     tc_compiler = raw.get("tc_compiler")
     if tc_compiler is not None and backend is not Backend.TC_PIECEWISE:
         raise GraphConfigError(
-            f"{where('tc_compiler')}: a tc compiler needs backend tc_piecewise, "
-            f"not {backend.value}"
+            f"{where('tc_compiler')}: a tc compiler needs backend tc_piecewise, not {backend.value}"
         )
     if backend is Backend.TC_PIECEWISE:
         tc_compiler = tc_compiler or "eager"
@@ -142,8 +149,11 @@ def resolve_graph_config(
         }
         if args.disable_cuda_graph:
             from_flags["backend"] = "disabled"
-        if from_flags["tc_compiler"] is not None and from_flags["backend"] != "tc_piecewise" \
-                and "tc_compiler" not in from_json:
+        if (
+            from_flags["tc_compiler"] is not None
+            and from_flags["backend"] != "tc_piecewise"
+            and "tc_compiler" not in from_json
+        ):
             # One --cuda-graph-tc-compiler serves whichever phases use tc_piecewise.
             from_flags["tc_compiler"] = None
         raw = {k: v for k, v in from_flags.items() if v is not None}
@@ -159,7 +169,9 @@ def resolve_graph_config(
         c.backend is Backend.TC_PIECEWISE for c in configs.values()
     ):
         # As SGLang does, a compiler that nothing uses is ignored, not refused.
-        logger.warning("--cuda-graph-tc-compiler %s is ignored: no phase uses tc_piecewise "
-                       "(set --cuda-graph-backend-decode or -prefill tc_piecewise)",
-                       args.cuda_graph_tc_compiler)
+        logger.warning(
+            "--cuda-graph-tc-compiler %s is ignored: no phase uses tc_piecewise "
+            "(set --cuda-graph-backend-decode or -prefill tc_piecewise)",
+            args.cuda_graph_tc_compiler,
+        )
     return configs

@@ -64,7 +64,7 @@ class Capturer(Protocol):
 
 
 class _CudaSession:
-    def __init__(self, pool: tuple[int, int]) -> None:
+    def __init__(self, pool: torch.cuda._POOL_HANDLE) -> None:
         self.pool = pool
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -74,6 +74,7 @@ class _CudaSession:
 
     def end(self) -> torch.cuda.CUDAGraph:
         graph, self.graph = self.graph, None
+        assert graph is not None, "end() without begin()"
         graph.capture_end()
         return graph
 
@@ -184,7 +185,11 @@ class GraphPool:
                 logger.warning(
                     "graph memory: skipping the capture of %s: it needs about %.1f MiB, the pool "
                     "would hold %.1f MiB of a %.1f MiB budget (--cuda-graph-mem-fraction); it "
-                    "runs uncaptured", label, need / MiB, projected / MiB, budget / MiB,
+                    "runs uncaptured",
+                    label,
+                    need / MiB,
+                    projected / MiB,
+                    budget / MiB,
                 )
                 return None
             before = self.bytes
@@ -203,7 +208,10 @@ class GraphPool:
         ms = (time.perf_counter() - start) * 1000
         logger.info(
             "captured %s in %.1f ms; graph pool %.1f MiB (+%.1f MiB)",
-            label, ms, self.bytes / MiB, (self.bytes - before) / MiB,
+            label,
+            ms,
+            self.bytes / MiB,
+            (self.bytes - before) / MiB,
         )
         return Captured(result, ms, self.bytes - before)
 

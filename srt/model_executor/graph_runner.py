@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch import nn
 
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_context
 from srt.model_executor.graph_config import Backend, Phase, PhaseConfig
@@ -35,12 +34,13 @@ if TYPE_CHECKING:
     from srt.compilation.cache import CompileCache
     from srt.compilation.piecewise_model import PiecewiseModel
     from srt.layers.attention.base import AttentionBackend
+    from srt.models.llama import LlamaForCausalLM
     from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-def forward_logits(model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
+def forward_logits(model: LlamaForCausalLM, batch: ForwardBatch) -> torch.Tensor:
     """Logits [B, V] of each request's last token; device work only (capturable as is)."""
     return logits_of(
         model, batch.input_ids, batch.positions, batch.extend_start_loc, batch.extend_lens
@@ -48,7 +48,7 @@ def forward_logits(model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
 
 
 def logits_of(
-    model: nn.Module,
+    model: LlamaForCausalLM,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     extend_start_loc: torch.Tensor,
@@ -59,7 +59,7 @@ def logits_of(
 
 
 def last_token_logits(
-    model: nn.Module,
+    model: LlamaForCausalLM,
     hidden: torch.Tensor,
     extend_start_loc: torch.Tensor,
     extend_lens: torch.Tensor,
@@ -76,7 +76,7 @@ def phase_mode(phase: Phase) -> ForwardMode:
 class RunnerEnv:
     """What the phase runners of one model runner are built from (shared by both phases)."""
 
-    model: nn.Module
+    model: LlamaForCausalLM
     attn_backend: AttentionBackend
     req_to_token: torch.Tensor
     max_requests: int  # the most requests in one batch
@@ -92,7 +92,8 @@ class RunnerEnv:
 
 
 class PhaseRunner(Protocol):
-    backend: str
+    @property
+    def backend(self) -> str: ...
 
     def run(self, batch: ForwardBatch) -> torch.Tensor: ...
 
@@ -106,7 +107,7 @@ class EagerRunner:
 
     backend = "disabled"
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -152,13 +153,17 @@ class BucketRunner(ABC):
         self.graphs: dict[int, Any] = {}
         self.uncaptured_runs = 0  # beyond the largest bucket, skipped buckets, or no capturer
         self.logits: torch.Tensor | None = None  # static output [max requests, vocab]
-        self.static = StaticBatch(
-            config.bs[-1], self.requests_for(config.bs[-1]), env.device
-        ) if env.pool.capturer is not None else None
+        self.static = (
+            StaticBatch(config.bs[-1], self.requests_for(config.bs[-1]), env.device)
+            if env.pool.capturer is not None
+            else None
+        )
         if self.static is None:
             logger.info(
                 "%s %s: nothing to capture on %s; running the uncaptured (eager) path",
-                phase.value, self.backend.value, env.device.type,
+                phase.value,
+                self.backend.value,
+                env.device.type,
             )
 
     def requests_for(self, bucket: int) -> int:
@@ -171,18 +176,24 @@ class BucketRunner(ABC):
         return self.config.bucket_for(n)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        bucket = self.bucket_of(batch) if self.static is not None else None
-        record = self.records[bucket] if bucket is not None else None
-        if record is not None and record.state is BucketState.UNSEEN:
+        static = self.static
+        bucket = self.bucket_of(batch) if static is not None else None
+        if static is None or bucket is None:
+            return self.run_uncaptured(batch)
+        record = self.records[bucket]
+        if record.state is BucketState.UNSEEN:
             if self.env.cache is not None:  # the next start can prewarm it (manifest mode)
                 self.env.cache.manifest.record(self.phase.value, bucket)
             self.specialise(bucket, batch)
-        if record is None or record.state is BucketState.SKIPPED:
-            self.uncaptured_runs += 1
-            return self.eager.run(batch)
+        if record.state is BucketState.SKIPPED:
+            return self.run_uncaptured(batch)
         record.replays += 1
-        padded = self.static.load(batch, bucket, self.requests_for(bucket))
+        padded = static.load(batch, bucket, self.requests_for(bucket))
         return self.replay(self.graphs[bucket], padded, bucket)
+
+    def run_uncaptured(self, batch: ForwardBatch) -> torch.Tensor:
+        self.uncaptured_runs += 1
+        return self.eager.run(batch)
 
     def prewarm(self, buckets: list[int]) -> None:
         if self.static is None:
@@ -190,12 +201,12 @@ class BucketRunner(ABC):
         # Largest first: the smaller captures then reuse its pool memory.
         for bucket in sorted(set(buckets) & set(self.records), reverse=True):
             if self.records[bucket].state is BucketState.UNSEEN:
-                batch = dummy_batch(self.mode, bucket, self.env.req_to_token,
-                                    self.env.attn_backend)
+                batch = dummy_batch(self.mode, bucket, self.env.req_to_token, self.env.attn_backend)
                 self.specialise(bucket, batch)
 
     def specialise(self, bucket: int, batch: ForwardBatch) -> None:
         """Warm up and capture `bucket` with `batch` (a live batch of that bucket, or a dummy)."""
+        assert self.static is not None, "only runners with a capturer specialise"
         padded = self.static.load(batch, bucket, self.requests_for(bucket))
         captured: Captured | None = self.env.pool.capture(
             f"{self.phase.value} bucket {bucket} ({self.backend.value})",
@@ -217,6 +228,11 @@ class BucketRunner(ABC):
             rows = self.requests_for(self.config.bs[-1])
             self.logits = logits.new_empty((rows, logits.shape[-1]))
 
+    def static_logits(self, rows: int) -> torch.Tensor:
+        """The first `rows` of the static logits buffer (after the first warm-up)."""
+        assert self.logits is not None, "keep_logits allocates it in the first warm-up"
+        return self.logits[:rows]
+
     @abstractmethod
     def warmup(self, padded: ForwardBatch, bucket: int) -> None:
         """Run the bucket's forward eagerly on the static buffers (before its capture)."""
@@ -236,8 +252,13 @@ class BucketRunner(ABC):
             "backend": self.backend.value,
             "max_bs": self.config.max_bs,
             "buckets": [
-                {"bucket": b, "state": r.state.value, "capture_ms": r.capture_ms,
-                 "pool_growth": r.pool_growth, "replays": r.replays}
+                {
+                    "bucket": b,
+                    "state": r.state.value,
+                    "capture_ms": r.capture_ms,
+                    "pool_growth": r.pool_growth,
+                    "replays": r.replays,
+                }
                 for b, r in records
             ],
             "captured": [b for b, r in records if r.state is BucketState.CAPTURED],
@@ -247,9 +268,8 @@ class BucketRunner(ABC):
             "uncaptured_runs": self.uncaptured_runs,
             "pool_bytes": self.env.pool.bytes,
             # the static inputs and output, outside the pool
-            "static_bytes": (self.static.nbytes if self.static is not None else 0) + (
-                self.logits.numel() * self.logits.element_size() if self.logits is not None
-                else 0),
+            "static_bytes": (self.static.nbytes if self.static is not None else 0)
+            + (self.logits.numel() * self.logits.element_size() if self.logits is not None else 0),
         }
 
 

@@ -21,10 +21,12 @@ class KVCache:
     def __init__(self, config: ModelConfig, num_slots: int, device: torch.device) -> None:
         shape = (num_slots, config.num_kv_heads, config.head_dim)
         self.num_slots = num_slots
-        self.k = [torch.zeros(shape, dtype=config.dtype, device=device)
-                  for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=config.dtype, device=device)
-                  for _ in range(config.num_layers)]
+        self.k = [
+            torch.zeros(shape, dtype=config.dtype, device=device) for _ in range(config.num_layers)
+        ]
+        self.v = [
+            torch.zeros(shape, dtype=config.dtype, device=device) for _ in range(config.num_layers)
+        ]
 
     @property
     def nbytes(self) -> int:

@@ -12,6 +12,7 @@ from torch import nn
 
 from srt.layers.linear import LinearShapeError
 from srt.model_config import ModelConfig, ModelLoadError
+from srt.models.llama import LlamaForCausalLM
 from srt.models.registry import get_model_class
 
 # Checkpoint tensors that carry no parameter of ours.
@@ -20,7 +21,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def load_model(
     config: ModelConfig, device: torch.device, load_format: str = "auto", seed: int = 0
-) -> nn.Module:
+) -> LlamaForCausalLM:
     try:
         model_cls = get_model_class(config.architecture)
     except ModelLoadError as e:
@@ -41,8 +42,9 @@ def load_model(
     return model.eval()
 
 
-def dummy_values(name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-                 gen: torch.Generator) -> torch.Tensor:
+def dummy_values(
+    name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+) -> torch.Tensor:
     """The random value of the parameter (or checkpoint tensor) `name`: N(0, 0.02) matrices,
     unit norms, zero biases. Drawn where it will live, in its dtype: an 8B model's weights take
     a minute to draw on the CPU and copy over, well under a second on the GPU."""
@@ -92,7 +94,7 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
             raise ModelLoadError(f"cannot read weights from {file}: {e}") from e
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
+def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
@@ -139,7 +141,7 @@ def _checkpoint_name(shard_key: str, packed: dict[str, tuple[str, int]]) -> str:
 
 
 def _expected_shards(model: nn.Module, params: dict[str, nn.Parameter]) -> set[str]:
-    expected = set()
+    expected: set[str] = set()
     for name in params:
         owner = model.get_submodule(name.rsplit(".", 1)[0])
         shards = len(getattr(owner, "output_sizes", [0]))

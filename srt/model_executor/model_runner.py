@@ -67,19 +67,29 @@ class ModelRunner:
             layer.bind_kv_cache(k, v)
         self.context_length = min(config.context_length, self.num_slots - 1)
         self.req_to_token = torch.zeros(
-            (args.max_running_requests, self.context_length), dtype=torch.int32,
+            (args.max_running_requests, self.context_length),
+            dtype=torch.int32,
             device=self.device,
         )
         self.attn_backend = attn_cls(config.num_heads, config.num_kv_heads, config.head_dim)
         logger.info(
             "KV cache: %d slots, %.1f MiB; attention backend %s",
-            self.num_slots, self.kv_cache.nbytes / 2**20, self.attention_backend_name,
+            self.num_slots,
+            self.kv_cache.nbytes / 2**20,
+            self.attention_backend_name,
         )
         self.graph_pool = GraphPool(self.device, args.cuda_graph_mem_fraction)
         self.compile_cache = self._open_compile_cache()
-        env = RunnerEnv(self.model, self.attn_backend, self.req_to_token,
-                        args.max_running_requests, self.graph_pool, self.compile_cache, args,
-                        self.graph_configs)
+        env = RunnerEnv(
+            self.model,
+            self.attn_backend,
+            self.req_to_token,
+            args.max_running_requests,
+            self.graph_pool,
+            self.compile_cache,
+            args,
+            self.graph_configs,
+        )
         self.phase_runners = {
             phase_mode(phase): create_phase_runner(phase, c, env)
             for phase, c in self.graph_configs.items()
@@ -115,8 +125,14 @@ class ModelRunner:
             )
             self.req_to_token[rows, cols] = slots.to(torch.int32)
         return forward_batch_from_host(
-            ForwardMode(plan.forward_mode), plan.input_ids, plan.positions, plan.out_cache_loc,
-            plan.req_pool_indices, plan.prefix_lens, plan.extend_lens, self.req_to_token,
+            ForwardMode(plan.forward_mode),
+            plan.input_ids,
+            plan.positions,
+            plan.out_cache_loc,
+            plan.req_pool_indices,
+            plan.prefix_lens,
+            plan.extend_lens,
+            self.req_to_token,
             self.attn_backend,
         )
 
@@ -149,8 +165,9 @@ class ModelRunner:
                 "attention_backend": self.attention_backend_name,
                 # Not the bucket ladders: artifacts are general over the token range (which
                 # their names carry), so a new ladder reuses them.
-                "graphs": {p.value: [c.backend.value, c.tc_compiler]
-                           for p, c in self.graph_configs.items()},
+                "graphs": {
+                    p.value: [c.backend.value, c.tc_compiler] for p, c in self.graph_configs.items()
+                },
                 "max_running_requests": args.max_running_requests,
                 "enable_torch_compile": args.enable_torch_compile,
                 "torch_compile_max_bs": args.torch_compile_max_bs,
@@ -174,14 +191,16 @@ class ModelRunner:
             [plan.temperatures, plan.top_ps, plan.min_ps], self.device, torch.float32
         )
         top_ks, seeds = to_device_packed([plan.top_ks, plan.seeds], self.device)
-        sampling = SamplingBatch(temperatures, top_ps, top_ks, min_ps, seeds,
-                                 positions=batch.seq_lens.long())
+        sampling = SamplingBatch(
+            temperatures, top_ps, top_ks, min_ps, seeds, positions=batch.seq_lens.long()
+        )
         next_ids = sample(logits, sampling, all_greedy=not plan.temperatures.any())
         result = BatchResult(next_token_ids=next_ids.cpu().numpy(), step=plan.step)
         if plan.return_logprob:
-            chosen, top_vals, top_ids = logprobs_of(logits, next_ids, plan.top_logprobs_num)
+            chosen, top = logprobs_of(logits, next_ids, plan.top_logprobs_num)
             result.logprobs = chosen.cpu().numpy()
-            if top_vals is not None:
+            if top is not None:
+                top_vals, top_ids = top
                 result.top_logprob_vals = top_vals.cpu().numpy()
                 result.top_logprob_ids = top_ids.cpu().numpy()
         return result

@@ -46,15 +46,14 @@ class PieceGraphs:
         self.captured: dict[int, int] = {}  # per bucket: pieces captured
         self.skipped: dict[int, int] = {}  # per bucket: pieces left on the general graph
 
-    def __call__(
-        self, piece: int, bucket: int, general: PieceFn, args: tuple[Any, ...]
-    ) -> PieceFn:
+    def __call__(self, piece: int, bucket: int, general: PieceFn, args: tuple[Any, ...]) -> PieceFn:
         if self.pool.capturer is None:
             return general
         stable = self.outputs.setdefault(bucket, set())
         in_place = self.fixed | stable
         copied = [
-            i for i, a in enumerate(args)
+            i
+            for i, a in enumerate(args)
             if isinstance(a, torch.Tensor) and a.data_ptr() not in in_place
         ]
         static = list(args)
@@ -68,7 +67,8 @@ class PieceGraphs:
 
         captured = self.pool.capture(
             f"{self.phase.value} bucket {bucket} piece {piece} (tc_piecewise)",
-            lambda: general(*static), record,
+            lambda: general(*static),
+            record,
         )
         if captured is None:
             self.skipped[bucket] = self.skipped.get(bucket, 0) + 1

@@ -25,6 +25,12 @@ from srt.model_executor.piece_capture import PieceGraphs
 from srt.model_executor.static_batch import dummy_batch
 
 
+def tc_compiler(config: PhaseConfig) -> str:
+    """A tc_piecewise phase's compiler (`resolve_graph_config` always sets one)."""
+    assert config.tc_compiler is not None, f"a {config.backend.value} phase has no tc compiler"
+    return config.tc_compiler
+
+
 def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
     """The runner's `PiecewiseModel`, traced and compiled on first use."""
     if env.piecewise is not None:
@@ -36,7 +42,7 @@ def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
     args = env.args
     model = PiecewiseModel(
         env.model,
-        compilers=sorted({c.tc_compiler for c in tc}),
+        compilers=sorted({tc_compiler(c) for c in tc}),
         cache=env.cache,
         # Every batch the scheduler forms fits: prefill <= max_prefill_tokens, decode <= the
         # request count; padding goes up to the largest bucket.
@@ -44,8 +50,9 @@ def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
         keep_shape_guards=args.keep_shape_guards,
     )
     # Trace with the largest bucket's size: Inductor tunes the general graph for its hint.
-    batch = dummy_batch(ForwardMode.EXTEND, max(largest, MIN_TOKENS), env.req_to_token,
-                        env.attn_backend)
+    batch = dummy_batch(
+        ForwardMode.EXTEND, max(largest, MIN_TOKENS), env.req_to_token, env.attn_backend
+    )
     batch.attn_backend.init_forward_metadata(batch)
     with forward_context(batch):
         model.trace(batch.input_ids, batch.positions)
@@ -63,7 +70,7 @@ class PiecewiseRunner:
         self.env = env
         self.compiled = shared_piecewise_model(env)
         self.dispatcher = BucketDispatcher(
-            self.compiled.general(config.tc_compiler),
+            self.compiled.general(tc_compiler(config)),
             PieceGraphs(env.pool, env.model, phase),
         )
 
@@ -71,7 +78,7 @@ class PiecewiseRunner:
         """Logits [B, V] of each request's last token."""
         bucket = self.config.bucket_for(batch.num_tokens)
         if bucket is not None:
-            self.env.cache.manifest.record(self.phase.value, bucket)
+            self.compiled.cache.manifest.record(self.phase.value, bucket)
         return self._forward(batch, bucket)
 
     def _forward(self, batch: ForwardBatch, bucket: int | None) -> torch.Tensor:

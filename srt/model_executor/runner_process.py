@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 class RunnerLoop:
     def __init__(self, args: ServerArgs, endpoints: Endpoints) -> None:
+        assert args.model_path is not None, "the launcher resolves model_path"
         config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
         self.runner = ModelRunner(args, config)
         self.ctx = zmq.Context()

@@ -117,8 +117,13 @@ def dummy_batch(
     starts = np.concatenate([[0], np.cumsum(extend)[:-1]])
     positions = np.arange(tokens) - np.repeat(starts, extend)
     return forward_batch_from_host(
-        mode, input_ids=np.zeros(tokens, np.int64), positions=positions,
+        mode,
+        input_ids=np.zeros(tokens, np.int64),
+        positions=positions,
         out_cache_loc=np.full(tokens, DUMMY_SLOT, np.int64),
-        req_pool_indices=np.zeros(len(extend), np.int64), prefix_lens=np.zeros_like(extend),
-        extend_lens=extend, req_to_token=req_to_token, attn_backend=attn_backend,
+        req_pool_indices=np.zeros(len(extend), np.int64),
+        prefix_lens=np.zeros_like(extend),
+        extend_lens=extend,
+        req_to_token=req_to_token,
+        attn_backend=attn_backend,
     )

@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             # Qwen3 normalises each head before the rotation.
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
@@ -92,8 +92,7 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm)
-            for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -132,4 +131,4 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [m for m in self.modules() if isinstance(m, Attention)]

@@ -41,9 +41,14 @@ def checkpoint_tensors(path: Path) -> dict[str, torch.Size]:
     return {name: t.shape for name, t in state.items()}
 
 
-def make_random_checkpoint(directory: Path, shape: str, *, seed: int = 0,
-                           shard_bytes: int = DEFAULT_SHARD_BYTES,
-                           device: str | None = None) -> Path:
+def make_random_checkpoint(
+    directory: Path,
+    shape: str,
+    *,
+    seed: int = 0,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    device: str | None = None,
+) -> Path:
     """Write the checkpoint to `directory / shape`; returns that path."""
     dtype = torch.bfloat16
     path = write_model_shape(shape, directory)
@@ -75,20 +80,30 @@ def make_random_checkpoint(directory: Path, shape: str, *, seed: int = 0,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m srt.tools.make_random_checkpoint",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m srt.tools.make_random_checkpoint", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("directory", type=Path, help="the checkpoint goes to DIR/<shape>")
     parser.add_argument("--model-shape", required=True, choices=sorted(MODEL_SHAPES))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--shard-gib", type=float, default=DEFAULT_SHARD_BYTES / 2**30,
-                        help="Largest shard in GiB (default 5, as the hub's).")
+    parser.add_argument(
+        "--shard-gib",
+        type=float,
+        default=DEFAULT_SHARD_BYTES / 2**30,
+        help="Largest shard in GiB (default 5, as the hub's).",
+    )
     parser.add_argument("--device", help="Where to draw the values (default: cuda if present).")
     ns = parser.parse_args(argv)
     if ns.shard_gib <= 0:
         parser.error("--shard-gib must be positive")
     start = time.perf_counter()
-    path = make_random_checkpoint(ns.directory, ns.model_shape, seed=ns.seed,
-                                  shard_bytes=int(ns.shard_gib * 2**30), device=ns.device)
+    path = make_random_checkpoint(
+        ns.directory,
+        ns.model_shape,
+        seed=ns.seed,
+        shard_bytes=int(ns.shard_gib * 2**30),
+        device=ns.device,
+    )
     print(f"{path} ({time.perf_counter() - start:.1f} s)")
 
 

@@ -19,8 +19,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -100,7 +104,7 @@ but nobody minded. It was that kind of evening: wet, dim, and somehow generous.
 """
 
 
-def _train_tokenizer(arch: str, vocab_size: int, model_max_length: int):
+def _train_tokenizer(arch: str, vocab_size: int, model_max_length: int) -> PreTrainedTokenizerFast:
     """Train a deterministic byte-level BPE on CORPUS and wrap it as a PreTrainedTokenizerFast."""
     from tokenizers import (
         Regex,
@@ -177,7 +181,7 @@ def _make_config(
     bos_token_id: int,
     eos_token_id: int,
     pad_token_id: int,
-):
+) -> PretrainedConfig:
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     if hidden_size % num_heads or num_heads % num_kv_heads:
@@ -198,7 +202,7 @@ def _make_config(
     elif rope_scaling is not None:
         raise ValueError(f"unsupported rope_scaling {rope_scaling!r} (only 'llama3')")
 
-    common = dict(
+    common: dict[str, Any] = dict(
         num_hidden_layers=num_layers,
         hidden_size=hidden_size,
         num_attention_heads=num_heads,

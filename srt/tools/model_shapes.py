@@ -14,26 +14,45 @@ from typing import Any
 
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {
-        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-        "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
         "tie_word_embeddings": True,
     },
     "llama-3-8b": {
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
-        "rope_scaling": None, "tie_word_embeddings": False,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
     },
 }
 
 
 def check_shape_name(name: str) -> None:
     if name not in MODEL_SHAPES:
-        raise ValueError(f"--model-shape: unknown shape {name!r}; choose one of "
-                         f"{sorted(MODEL_SHAPES)}")
+        raise ValueError(
+            f"--model-shape: unknown shape {name!r}; choose one of {sorted(MODEL_SHAPES)}"
+        )
 
 
 def write_model_shape(name: str, directory: Path) -> Path:
@@ -48,7 +67,13 @@ def write_model_shape(name: str, directory: Path) -> Path:
     config_file = path / "config.json"
     config = json.loads(config_file.read_text())
     config.pop("rope_parameters", None)
-    config.update(MODEL_SHAPES[name], architectures=["LlamaForCausalLM"], model_type="llama",
-                  torch_dtype="bfloat16", dtype="bfloat16", rms_norm_eps=1e-5)
+    config.update(
+        MODEL_SHAPES[name],
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        torch_dtype="bfloat16",
+        dtype="bfloat16",
+        rms_norm_eps=1e-5,
+    )
     config_file.write_text(json.dumps(config, indent=2))
     return path

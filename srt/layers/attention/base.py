@@ -88,16 +88,20 @@ ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 def attention_backend_class(name: str) -> type[AttentionBackend]:
     # Imported on demand so that the CUDA-only backends never load on a CPU machine.
     if name == "torch_native":
-        from srt.layers.attention.torch_native import TorchNativeBackend as cls
-    elif name == "triton":
-        from srt.layers.attention.triton_backend import TritonBackend as cls
-    elif name == "flashinfer":
-        from srt.layers.attention.flashinfer_backend import FlashInferBackend as cls
-    else:
-        raise ValueError(
-            f"--attention-backend: unknown backend {name!r}; choose one of {ATTENTION_BACKENDS}"
-        )
-    return cls
+        from srt.layers.attention.torch_native import TorchNativeBackend
+
+        return TorchNativeBackend
+    if name == "triton":
+        from srt.layers.attention.triton_backend import TritonBackend
+
+        return TritonBackend
+    if name == "flashinfer":
+        from srt.layers.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend
+    raise ValueError(
+        f"--attention-backend: unknown backend {name!r}; choose one of {ATTENTION_BACKENDS}"
+    )
 
 
 def create_attention_backend(

@@ -90,9 +90,7 @@ class FlashInferBackend(AttentionBackend):
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD"
-        )
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
 
     def _plan(self, step: FlashInferStep) -> None:
         step.wrapper.plan(*step.plan_args, **step.plan_kwargs, **self.dtypes)
@@ -111,8 +109,11 @@ class FlashInferBackend(AttentionBackend):
             )
         else:
             self.step = FlashInferStep(
-                self.prefill_wrapper, (indptr(batch.extend_lens_cpu), *pages, *heads),
-                {"causal": True}, batch.out_cache_loc, rows=batch.num_tokens,
+                self.prefill_wrapper,
+                (indptr(batch.extend_lens_cpu), *pages, *heads),
+                {"causal": True},
+                batch.out_cache_loc,
+                rows=batch.num_tokens,
             )
 
     # ---- CUDA graphs (decode) ----
@@ -129,19 +130,24 @@ class FlashInferBackend(AttentionBackend):
             )
         device = batch.out_cache_loc.device
         self._ensure_wrappers(device)
-        if self.graph_indptr is None:
+        if (
+            self.graph_indptr is None
+            or self.graph_indices is None
+            or self.graph_last_page_len is None
+            or self.graph_pad_rows is None
+        ):  # all four are allocated together
             # Outside any capture: the first capture hook comes before its warm-up.
             width = batch.req_to_token.shape[1]
             self.graph_indptr = torch.zeros(self.max_bs + 1, dtype=torch.int32, device=device)
-            self.graph_indices = torch.zeros(
-                self.max_bs * width, dtype=torch.int32, device=device
-            )
+            self.graph_indices = torch.zeros(self.max_bs * width, dtype=torch.int32, device=device)
             self.graph_last_page_len = torch.ones(self.max_bs, dtype=torch.int32, device=device)
             self.graph_pad_rows = torch.zeros(self.max_bs, dtype=torch.bool, device=device)
         wrapper = self.graph_wrappers.get(bucket)
         if wrapper is None:
             wrapper = self.graph_wrappers[bucket] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True,
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
                 use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=self.graph_indptr[: bucket + 1],
                 paged_kv_indices_buffer=self.graph_indices,

@@ -31,7 +31,9 @@ class TorchNativeBackend(AttentionBackend):
         o = out.view(t, self.num_heads, self.head_dim)
         start = 0
         for row, prefix, extend in zip(
-            batch.req_pool_indices_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu,
+            batch.req_pool_indices_cpu,
+            batch.prefix_lens_cpu,
+            batch.extend_lens_cpu,
             strict=True,
         ):
             slots = batch.req_to_token[row, : prefix + extend]
@@ -51,7 +53,11 @@ def attend(
     query_pos = prefix + torch.arange(e, device=q.device)
     mask = torch.arange(s, device=q.device)[None, :] <= query_pos[:, None]
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1],
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        scale=scaling,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     return o.transpose(0, 1)

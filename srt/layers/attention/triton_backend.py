@@ -118,12 +118,13 @@ class TritonBackend(AttentionBackend):
         if mode == ForwardMode.DECODE:
             return self._decode_layout(num_tokens)
         max_reqs = min(num_tokens, self.max_bs)
-        return self._extend_layout(
-            num_tokens, max_reqs + 1, max_extend_tiles(num_tokens, max_reqs)
-        )
+        return self._extend_layout(num_tokens, max_reqs + 1, max_extend_tiles(num_tokens, max_reqs))
 
     def _views(
-        self, layout: StepLayout, ints: torch.Tensor, out_cache_loc: torch.Tensor,
+        self,
+        layout: StepLayout,
+        ints: torch.Tensor,
+        out_cache_loc: torch.Tensor,
         scratch: torch.Tensor,
     ) -> StepMetadata:
         r, n = layout.num_reqs, layout.num_tiles
@@ -144,7 +145,8 @@ class TritonBackend(AttentionBackend):
         device = batch.out_cache_loc.device
         ints = torch.from_numpy(plan_step(batch, layout)).to(device)
         scratch = torch.empty(
-            layout.scratch_numel(self.num_heads, self.head_dim), dtype=torch.float32,
+            layout.scratch_numel(self.num_heads, self.head_dim),
+            dtype=torch.float32,
             device=device,
         )
         self.step = self._views(layout, ints, batch.out_cache_loc, scratch)
@@ -162,18 +164,20 @@ class TritonBackend(AttentionBackend):
         )
         self.static_scratch = torch.zeros(
             max(x.scratch_numel(self.num_heads, self.head_dim) for x in layouts),
-            dtype=torch.float32, device=device,
+            dtype=torch.float32,
+            device=device,
         )
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, bucket: int) -> None:
         """Lay the live batch out in the static buffers, in the bucket's fixed layout. The
         batch's token tensors (out_cache_loc) are the runner's static buffers already."""
-        if self.static_ints is None:
+        if self.static_ints is None or self.static_scratch is None:
             raise RuntimeError("init_graph_state must run before graph capture")
         layout = self._graph_layout(batch.mode, bucket)
-        if layout.num_ints > self.static_ints.numel() or layout.scratch_numel(
-            self.num_heads, self.head_dim
-        ) > self.static_scratch.numel():
+        if (
+            layout.num_ints > self.static_ints.numel()
+            or layout.scratch_numel(self.num_heads, self.head_dim) > self.static_scratch.numel()
+        ):
             raise ValueError(f"bucket {bucket} exceeds the sizes given to init_graph_state")
         plan = torch.from_numpy(plan_step(batch, layout))
         self.static_ints[: plan.numel()].copy_(plan)
@@ -207,11 +211,29 @@ class TritonBackend(AttentionBackend):
         req_rows, seq_lens, prefix_lens, extend_lens, extend_starts = step.fields
         if step.layout.decode:
             decode_attention(
-                q, k_cache, v_cache, o, batch.req_to_token, req_rows, seq_lens,
-                step.part_out, step.part_lse, scaling,
+                q,
+                k_cache,
+                v_cache,
+                o,
+                batch.req_to_token,
+                req_rows,
+                seq_lens,
+                step.part_out,
+                step.part_lse,
+                scaling,
             )
         else:
             extend_attention(
-                q, k_cache, v_cache, o, batch.req_to_token, req_rows, prefix_lens,
-                extend_lens, extend_starts, seq_lens, step.tiles, scaling,
+                q,
+                k_cache,
+                v_cache,
+                o,
+                batch.req_to_token,
+                req_rows,
+                prefix_lens,
+                extend_lens,
+                extend_starts,
+                seq_lens,
+                step.tiles,
+                scaling,
             )

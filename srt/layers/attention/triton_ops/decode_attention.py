@@ -30,13 +30,34 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_table, stride_po_req, stride_po_head, stride_po_split,
-    stride_pl_req, stride_pl_head,
-    scale_log2, num_splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    part_out,
+    part_lse,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    stride_table,
+    stride_po_req,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_req,
+    stride_pl_head,
+    scale_log2,
+    num_splits,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -54,7 +75,8 @@ def _decode_split_kernel(
         mask_d = offs_d < HEAD_DIM
         q = tl.load(
             Q + req * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
-            mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+            mask=mask_h[:, None] & mask_d[None, :],
+            other=0.0,
         )
         table = req_to_token + tl.load(req_pool_indices + req).to(tl.int64) * stride_table
 
@@ -66,29 +88,61 @@ def _decode_split_kernel(
         query_pos = tl.full([BLOCK_H], 0, dtype=tl.int32) + (seq_len - 1)
         for block in range(start, end, BLOCK_N):
             m_i, l_i, acc = attend_kv_block(
-                q, m_i, l_i, acc, K, V, table, block, end, query_pos, kv_head, offs_d, mask_d,
-                stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2,
-                BLOCK_N, DOT_PRECISION,
+                q,
+                m_i,
+                l_i,
+                acc,
+                K,
+                V,
+                table,
+                block,
+                end,
+                query_pos,
+                kv_head,
+                offs_d,
+                mask_d,
+                stride_k_slot,
+                stride_k_head,
+                stride_v_slot,
+                stride_v_head,
+                scale_log2,
+                BLOCK_N,
+                DOT_PRECISION,
             )
 
         tl.store(
-            part_out + req * stride_po_req + heads[:, None] * stride_po_head
-            + split * stride_po_split + offs_d[None, :],
-            acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :],
+            part_out
+            + req * stride_po_req
+            + heads[:, None] * stride_po_head
+            + split * stride_po_split
+            + offs_d[None, :],
+            acc / l_i[:, None],
+            mask=mask_h[:, None] & mask_d[None, :],
         )
         tl.store(
             part_lse + req * stride_pl_req + heads * stride_pl_head + split,
-            m_i + tl.log2(l_i), mask=mask_h,
+            m_i + tl.log2(l_i),
+            mask=mask_h,
         )
 
 
 @triton.jit
 def _decode_merge_kernel(
-    part_out, part_lse, seq_lens, Out,
-    stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
-    stride_o_tok, stride_o_head,
+    part_out,
+    part_lse,
+    seq_lens,
+    Out,
+    stride_po_req,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_req,
+    stride_pl_head,
+    stride_o_tok,
+    stride_o_head,
     num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     req = tl.program_id(0)
@@ -107,9 +161,13 @@ def _decode_merge_kernel(
     )
     weights = tl.where(valid, tl.exp2(lse - tl.max(lse, 0)), 0.0)
     partial = tl.load(
-        part_out + req * stride_po_req + head * stride_po_head
-        + offs_s[:, None] * stride_po_split + offs_d[None, :],
-        mask=valid[:, None] & mask_d[None, :], other=0.0,
+        part_out
+        + req * stride_po_req
+        + head * stride_po_head
+        + offs_s[:, None] * stride_po_split
+        + offs_d[None, :],
+        mask=valid[:, None] & mask_d[None, :],
+        other=0.0,
     )
     total = tl.sum(weights, 0)
     o = tl.sum(weights[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
@@ -145,21 +203,53 @@ def decode_attention(
     num_splits = part_out.shape[2]
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        scaling * LOG2E, num_splits,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        q,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        req_to_token.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        scaling * LOG2E,
+        num_splits,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
-        BLOCK_N=BLOCK_N, DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2,
+        BLOCK_N=BLOCK_N,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
     )
     _decode_merge_kernel[(batch_size, num_heads)](
-        part_out, part_lse, seq_lens, out,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        part_out,
+        part_lse,
+        seq_lens,
+        out,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
         num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS,
-        BLOCK_N=BLOCK_N, num_warps=4,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=MAX_SPLITS,
+        BLOCK_N=BLOCK_N,
+        num_warps=4,
     )

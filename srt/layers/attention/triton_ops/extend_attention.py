@@ -27,13 +27,34 @@ UNUSED_TILE = 2**30
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Out, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_starts,
-    seq_lens, tile_req, tile_row,
-    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_o_tok, stride_o_head, stride_table,
+    Q,
+    K,
+    V,
+    Out,
+    req_to_token,
+    req_pool_indices,
+    prefix_lens,
+    extend_lens,
+    extend_starts,
+    seq_lens,
+    tile_req,
+    tile_row,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_table,
     scale_log2,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -53,7 +74,8 @@ def _extend_kernel(
         mask_d = offs_d < HEAD_DIM
         q = tl.load(
             Q + tokens[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
-            mask=mask_m[:, None] & mask_d[None, :], other=0.0,
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
         )
         table = req_to_token + tl.load(req_pool_indices + req).to(tl.int64) * stride_table
 
@@ -65,15 +87,33 @@ def _extend_kernel(
         kv_end = tl.minimum(seq_len, prefix_len + first_row + BLOCK_M)
         for block in range(0, kv_end, BLOCK_N):
             m_i, l_i, acc = attend_kv_block(
-                q, m_i, l_i, acc, K, V, table, block, kv_end, query_pos, kv_head, offs_d, mask_d,
-                stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2,
-                BLOCK_N, DOT_PRECISION,
+                q,
+                m_i,
+                l_i,
+                acc,
+                K,
+                V,
+                table,
+                block,
+                kv_end,
+                query_pos,
+                kv_head,
+                offs_d,
+                mask_d,
+                stride_k_slot,
+                stride_k_head,
+                stride_v_slot,
+                stride_v_head,
+                scale_log2,
+                BLOCK_N,
+                DOT_PRECISION,
             )
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             Out + tokens[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
-            o, mask=mask_m[:, None] & mask_d[None, :],
+            o,
+            mask=mask_m[:, None] & mask_d[None, :],
         )
 
 
@@ -127,13 +167,34 @@ def extend_attention(
     tiles: [2, N] from `extend_tiles`."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     _extend_kernel[(tiles.shape[1], num_heads)](
-        q, k_cache, v_cache, out, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-        extend_starts, seq_lens, tiles[0], tiles[1],
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_starts,
+        seq_lens,
+        tiles[0],
+        tiles[1],
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
         req_to_token.stride(0),
         scaling * LOG2E,
-        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2,
+        GROUP=num_heads // k_cache.shape[1],
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
     )
