@@ -1,6 +1,9 @@
-"""Compile one piece for the general (symbolic) token count: `eager` or `inductor`.
+"""Compile one piece for the general (symbolic) token count: `eager`, `aot_eager` or `inductor`.
 
-`eager` runs the FX piece as it is. `inductor` goes through `torch._inductor.standalone_compile`
+`eager` runs the FX piece as it is. `aot_eager` (a debugging compiler, for
+`srt.tools.compile_bisect`; not served) runs it through AOTAutograd's tracing without
+Inductor: a piece that differs only there points at the trace, not the code generation.
+`inductor` goes through `torch._inductor.standalone_compile`
 with the piece's symbolic shapes (`dynamic_shapes="from_graph"`), and the result is saved as a
 `CompiledArtifact` in the compile cache; a warm start loads it back without compiling. Run both
 inside `CompileCache.inductor_session()`, so that the C++ / Triton builds an artifact refers to
@@ -21,7 +24,8 @@ from torch import fx
 from srt.compilation.cache import CompileCache
 from srt.compilation.dispatch import PieceFn
 
-COMPILERS = ("eager", "inductor")
+COMPILERS = ("eager", "inductor")  # what a phase can be compiled with
+DEBUG_COMPILERS = ("aot_eager",)
 
 
 @dataclass
@@ -48,6 +52,26 @@ def _with_piece_convention(artifact: Any, returns_tuple: bool) -> PieceFn:
     return run
 
 
+def with_tuple_output(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` returning a tuple (AOTAutograd takes no other output)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            out = fx.node.map_arg(node.args[0], lambda n: env[n])
+            graph.output(tuple(out) if isinstance(out, tuple | list) else (out,))
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(gm, graph)
+
+
+def aot_eager(gm: fx.GraphModule, args: Sequence[Any]) -> PieceFn:
+    """`gm` through AOTAutograd's trace, run eagerly; returns a tuple."""
+    from torch._dynamo.backends.debugging import aot_eager as backend
+
+    return backend(with_tuple_output(gm), list(args))
+
+
 def _load_inductor(path: Path) -> Any:
     return torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
 
@@ -60,8 +84,12 @@ def compile_piece(
     start = time.perf_counter()
     if compiler == "eager":
         return CompiledPiece(gm, "eager", 0.0)
+    if compiler == "aot_eager":
+        fn = _with_piece_convention(aot_eager(gm, args), _returns_tuple(gm))
+        return CompiledPiece(fn, "compiled", time.perf_counter() - start)
     if compiler != "inductor":
-        raise ValueError(f"unknown piece compiler {compiler!r}; choose one of {COMPILERS}")
+        known = COMPILERS + DEBUG_COMPILERS
+        raise ValueError(f"unknown piece compiler {compiler!r}; choose one of {known}")
     artifact = cache.load_artifact(name, _load_inductor)
     source = "loaded"
     if artifact is None:
