@@ -11,7 +11,8 @@
 #
 # Usage: scripts/gpu_round.sh STAGE...   with STAGE one of
 #   tests                pytest -m gpu
-#   runner-SHAPE         one_batch for disabled, full, full --enable-torch-compile, breakable,
+#   runner-SHAPE         one_batch for disabled, full, full --enable-torch-compile, full over
+#                        Inductor pieces, breakable,
 #                        tc_piecewise eager and inductor; hf_baseline (floor, cuBLAS chain, HF)
 #   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list)
 #   serving-SHAPE        serving at concurrency 1, 16, 64: decode full (lazy) against nographs
@@ -66,6 +67,7 @@ runner() {  # the decode paths of srt and the alternatives on one shape
   one disabled --cuda-graph-backend-decode disabled
   one full --cuda-graph-backend-decode full
   one full-compile --cuda-graph-backend-decode full --enable-torch-compile
+  one full-inductor --cuda-graph-backend-decode full --cuda-graph-tc-compiler inductor
   one breakable --cuda-graph-backend-decode breakable
   one tc-eager --cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler eager
   one tc-inductor --cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor

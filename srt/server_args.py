@@ -74,7 +74,10 @@ class ServerArgs:
         None, "Prefill graph backend: disabled, full, breakable, tc_piecewise."
     )
     cuda_graph_tc_compiler: str | None = _opt(
-        None, "Compiler for tc_piecewise pieces: eager or inductor."
+        None,
+        "Compiler of the traced general graph (eager or inductor), for every tc_piecewise "
+        "phase and, unless --enable-torch-compile, every full phase (which then captures the "
+        "compiled forward).",
     )
     cuda_graph_bs_decode: list[int] | None = _opt(None, "Decode buckets (batch sizes).")
     cuda_graph_bs_prefill: list[int] | None = _opt(None, "Prefill buckets (token counts).")

@@ -100,8 +100,16 @@ def test_disable_cuda_graph_turns_every_phase_off() -> None:
         ),
         ({"cuda_graph_bs_decode": [0, 2]}, "--cuda-graph-bs-decode: buckets must be positive"),
         (
-            {"cuda_graph_config": '{"decode": {"backend": "full", "tc_compiler": "eager"}}'},
-            "--cuda-graph-config decode.tc_compiler: a tc compiler needs backend tc_piecewise",
+            {"cuda_graph_config": '{"decode": {"backend": "breakable", "tc_compiler": "eager"}}'},
+            "--cuda-graph-config decode.tc_compiler: a tc compiler needs backend tc_piecewise "
+            "or full, not breakable",
+        ),
+        (
+            {
+                "cuda_graph_config": '{"decode": {"backend": "full", "tc_compiler": "inductor"}}',
+                "enable_torch_compile": True,
+            },
+            "--cuda-graph-config decode.tc_compiler: a full phase with a tc compiler captures",
         ),
         (
             {"cuda_graph_backend_prefill": "tc_piecewise", "cuda_graph_tc_compiler": "gcc"},
@@ -129,11 +137,27 @@ def test_a_tc_compiler_no_phase_uses_is_a_warning(
 ) -> None:
     # As SGLang does: ignored, not refused (whatever its value, since nothing compiles).
     with caplog.at_level(logging.WARNING, logger="srt.model_executor.graph_config"):
-        configs = resolve("cuda", cuda_graph_tc_compiler=compiler)
+        configs = resolve(
+            "cuda", cuda_graph_tc_compiler=compiler, cuda_graph_backend_decode="breakable"
+        )
     assert all(c.tc_compiler is None for c in configs.values())
-    assert (
-        f"--cuda-graph-tc-compiler {compiler} is ignored: no phase uses tc_piecewise" in caplog.text
+    message = f"--cuda-graph-tc-compiler {compiler} is ignored: no phase uses tc_piecewise or full"
+    assert message in caplog.text
+
+
+def test_the_tc_compiler_flag_applies_to_full_phases_too() -> None:
+    """Compile once, capture per bucket: a full phase with a compiler captures the compiled
+    general graph, unless --enable-torch-compile keeps SGLang's per-bucket compile."""
+    configs = resolve("cuda", cuda_graph_tc_compiler="inductor")
+    assert configs[Phase.DECODE].backend is Backend.FULL
+    assert configs[Phase.DECODE].tc_compiler == "inductor"
+    assert configs[Phase.PREFILL].tc_compiler is None  # disabled: the eager forward
+    per_bucket = resolve("cuda", cuda_graph_tc_compiler="inductor", enable_torch_compile=True)
+    assert per_bucket[Phase.DECODE].tc_compiler is None
+    both = resolve(
+        "cuda", cuda_graph_tc_compiler="eager", cuda_graph_backend_prefill="tc_piecewise"
     )
+    assert [c.tc_compiler for c in both.values()] == ["eager", "eager"]
 
 
 def test_engine_rejects_a_bad_flag(tiny_llama: Path) -> None:
@@ -432,6 +456,51 @@ def test_without_a_capturer_the_uncaptured_path_runs(
         assert len(notes) == 2  # once per phase
         assert all(s == ("unseen", 0) for s in states(eng, "decode").values())
         assert phase_info(eng, "decode")["uncaptured_runs"] > 0
+
+
+def test_full_capture_of_the_compiled_general_graph(
+    tiny_llama: Path,
+    tmp_path: Path,
+    capturer: EmulatedCapturer,
+    reference: list[list[int]],
+) -> None:
+    """Compile once, capture per bucket: both phases `full` with a tc compiler trace the model
+    once, and each bucket's capture records the compiled forward whole (pieces and attention);
+    a batch beyond the largest bucket runs the same compiled graph uncaptured."""
+    with make_engine(
+        tiny_llama,
+        tmp_path,
+        cuda_graph_backend_decode="full",
+        cuda_graph_backend_prefill="full",
+        cuda_graph_tc_compiler="eager",
+    ) as eng:
+        assert generate(eng) == reference
+        runs = phase_info(eng, "decode")["general_runs"]  # warm-ups and captures
+        assert generate(eng) == reference
+        info = eng.get_server_info()
+        assert info["runner"]["compile"]["traces"] == 1
+        assert info["runner"]["compile"]["num_pieces"] == eng.model_config.num_layers + 1
+        decode = phase_info(eng, "decode")
+        assert decode["tc_compiler"] == "eager"
+        assert states(eng, "decode") == {4: ("captured", 4), 2: ("captured", 4), 1: ("captured", 6)}
+        # One session per bucket (decode 4, 2, 1; prefill 16, 8), the whole forward in each.
+        assert capturer.sessions == len(eng.runner.graph_pool.labels) == 5
+        assert decode["general_runs"] == runs  # replays run no piece from Python
+        long_prompt = [list(range(1, 40))]  # 39 tokens: beyond the largest prefill bucket
+        eng.generate(input_ids=long_prompt, sampling_params=PARAMS[0])
+        assert phase_info(eng, "prefill")["uncaptured_runs"] == 1
+
+
+def test_full_with_a_tc_compiler_runs_the_compiled_graph_on_the_cpu(
+    tiny_llama: Path, tmp_path: Path, reference: list[list[int]]
+) -> None:
+    with make_engine(
+        tiny_llama, tmp_path, cuda_graph_backend_decode="full", cuda_graph_tc_compiler="eager"
+    ) as eng:
+        assert generate(eng) == reference
+        decode = phase_info(eng, "decode")
+        assert decode["uncaptured_runs"] == decode["general_runs"] > 0
+        assert phase_info(eng, "prefill") == {"backend": "disabled"}
 
 
 # ---- tc_piecewise: the piece capture, through the compilation layer's dispatcher -----------

@@ -12,8 +12,16 @@ number of requests out in static buffers can do this (it lists EXTEND in `graph_
 `triton` does); with any other, `--cuda-graph-backend-prefill full` is rejected at startup.
 The same holds for decode (`torch_native` reads host-side lengths, so it is never capturable).
 
-`--enable-torch-compile` compiles the forward of each bucket up to `--torch-compile-max-bs`
-(Inductor, static shapes: one specialised graph per bucket) before capturing it.
+What runs inside the graph is one of:
+
+- the model's eager forward (no tc compiler);
+- with a tc compiler (`--cuda-graph-tc-compiler`, or `tc_compiler` in `--cuda-graph-config`):
+  the traced general graph that `tc_piecewise` uses too, its pieces compiled once for every
+  token count (and cached), attention ops between them; each bucket's capture records all of
+  it, so a new bucket costs a capture, never a compile. Uncaptured batches (beyond the largest
+  bucket, over the memory budget, or on the CPU) run the same compiled graph;
+- with `--enable-torch-compile` (SGLang's way): the forward compiled by Inductor for each
+  bucket up to `--torch-compile-max-bs` (static shapes), on that bucket's first hit.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from typing import Any
 
 import torch
 
+from srt.compilation.dispatch import BucketDispatcher
+from srt.compilation.piecewise_model import PiecewiseModel
 from srt.model_executor.forward_batch import ForwardBatch, forward_context
 from srt.model_executor.graph_config import Backend, GraphConfigError, Phase, PhaseConfig
 from srt.model_executor.graph_memory import CaptureSession, Graph
@@ -34,6 +44,7 @@ from srt.model_executor.graph_runner import (
     logits_of,
     phase_mode,
 )
+from srt.model_executor.piecewise_runner import compiled_logits, shared_piecewise_model
 
 # Every compiled bucket is one Dynamo cache entry of the same code; the default limit (8)
 # would fall back to eager after the 8th bucket.
@@ -55,8 +66,33 @@ class FullGraphRunner(BucketRunner):
         self.compiled = (
             torch.compile(logits_of, dynamic=False) if env.args.enable_torch_compile else None
         )
+        # With a tc compiler: the shared compiled model, and a dispatcher that always runs
+        # its general pieces (the capture is of the whole forward, not per piece).
+        self.general: tuple[PiecewiseModel, BucketDispatcher] | None = None
+        if config.tc_compiler is not None:
+            model = shared_piecewise_model(env)
+            self.general = (model, BucketDispatcher(model.general(config.tc_compiler)))
+
+    def _compiled_general(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Logits through the compiled general graph, when the phase has a tc compiler."""
+        if self.general is None:
+            return None
+        model, dispatcher = self.general
+        return compiled_logits(model, self.env, batch, dispatcher, None)
+
+    def run_uncaptured(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.general is None:
+            return super().run_uncaptured(batch)
+        self.uncaptured_runs += 1
+        batch.attn_backend.init_forward_metadata(batch)
+        logits = self._compiled_general(batch)
+        assert logits is not None, "the phase has a tc compiler"
+        return logits
 
     def _forward(self, padded: ForwardBatch, bucket: int) -> torch.Tensor:
+        logits = self._compiled_general(padded)
+        if logits is not None:
+            return logits
         fn, limits = logits_of, contextlib.nullcontext()
         if self.compiled is not None and bucket <= self.env.args.torch_compile_max_bs:
             fn, limits = self.compiled, torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
@@ -87,8 +123,11 @@ class FullGraphRunner(BucketRunner):
 
     def info(self) -> dict[str, Any]:
         info = super().info()
+        info["tc_compiler"] = self.config.tc_compiler
         if self.compiled is not None:
             info["torch_compile_max_bs"] = self.env.args.torch_compile_max_bs
+        if self.general is not None:
+            info["general_runs"] = self.general[1].general_runs
         return info
 
 

@@ -45,6 +45,10 @@ def default_prefill_ladder() -> list[int]:
     )
 
 
+# The backends that can run the traced, compiled general graph (`tc_compiler`).
+COMPILED_BACKENDS = (Backend.TC_PIECEWISE, Backend.FULL)
+
+
 class GraphConfigError(ValueError):
     pass
 
@@ -54,7 +58,9 @@ class PhaseConfig:
     backend: Backend
     bs: list[int]  # buckets, increasing, all <= max_bs
     max_bs: int
-    tc_compiler: str | None = None  # only with tc_piecewise
+    # The compiler of the traced general graph the phase runs (tc_piecewise, and full, which
+    # then captures that compiled forward whole); None: the model's eager forward.
+    tc_compiler: str | None = None
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest bucket holding `n`, or None beyond the largest."""
@@ -75,10 +81,7 @@ def _phase_config(
     decode_graph_capable: bool,
     where: Callable[[str], str],
 ) -> PhaseConfig:
-    default = "disabled"
-    if phase is Phase.DECODE and device == "cuda":
-        default = "full" if decode_graph_capable else "breakable"
-    backend_name = raw.get("backend", default)
+    backend_name = raw.get("backend", _default_backend(phase, device, decode_graph_capable))
     try:
         backend = Backend(backend_name)
     except ValueError:
@@ -104,12 +107,14 @@ def _phase_config(
     if not bs:
         raise GraphConfigError(f"{where('max_bs')}: {max_bs} is below the smallest bucket")
     tc_compiler = raw.get("tc_compiler")
-    if tc_compiler is not None and backend is not Backend.TC_PIECEWISE:
+    if tc_compiler is not None and backend not in COMPILED_BACKENDS:
         raise GraphConfigError(
-            f"{where('tc_compiler')}: a tc compiler needs backend tc_piecewise, not {backend.value}"
+            f"{where('tc_compiler')}: a tc compiler needs backend tc_piecewise or full, "
+            f"not {backend.value}"
         )
     if backend is Backend.TC_PIECEWISE:
         tc_compiler = tc_compiler or "eager"
+    if tc_compiler is not None:
         if tc_compiler not in COMPILERS:
             raise GraphConfigError(
                 f"{where('tc_compiler')}: unknown compiler {tc_compiler!r}; "
@@ -149,29 +154,47 @@ def resolve_graph_config(
         }
         if args.disable_cuda_graph:
             from_flags["backend"] = "disabled"
-        if (
-            from_flags["tc_compiler"] is not None
-            and from_flags["backend"] != "tc_piecewise"
-            and "tc_compiler" not in from_json
-        ):
-            # One --cuda-graph-tc-compiler serves whichever phases use tc_piecewise.
-            from_flags["tc_compiler"] = None
         raw = {k: v for k, v in from_flags.items() if v is not None}
         raw.update(from_json)
+        if "tc_compiler" not in from_json and not _flag_compiler_applies(
+            raw.get("backend", _default_backend(phase, device, decode_graph_capable)), args
+        ):
+            # One --cuda-graph-tc-compiler serves whichever phases can use it.
+            raw.pop("tc_compiler", None)
 
         def where(key: str, phase: Phase = phase, from_json: dict = from_json) -> str:
             if key in from_json:
                 return f"--cuda-graph-config {phase.value}.{key}"
             return "--cuda-graph-tc-compiler" if key == "tc_compiler" else _flag(phase, key)
 
-        configs[phase] = _phase_config(phase, raw, device, decode_graph_capable, where)
+        config = _phase_config(phase, raw, device, decode_graph_capable, where)
+        if config.backend is Backend.FULL and config.tc_compiler and args.enable_torch_compile:
+            raise GraphConfigError(
+                f"{where('tc_compiler')}: a full phase with a tc compiler captures the compiled "
+                "general graph; --enable-torch-compile compiles each bucket instead: use one"
+            )
+        configs[phase] = config
     if args.cuda_graph_tc_compiler is not None and not any(
-        c.backend is Backend.TC_PIECEWISE for c in configs.values()
+        c.tc_compiler is not None for c in configs.values()
     ):
         # As SGLang does, a compiler that nothing uses is ignored, not refused.
         logger.warning(
-            "--cuda-graph-tc-compiler %s is ignored: no phase uses tc_piecewise "
-            "(set --cuda-graph-backend-decode or -prefill tc_piecewise)",
+            "--cuda-graph-tc-compiler %s is ignored: no phase uses tc_piecewise or full "
+            "(set --cuda-graph-backend-decode or -prefill)",
             args.cuda_graph_tc_compiler,
         )
     return configs
+
+
+def _default_backend(phase: Phase, device: str, decode_graph_capable: bool) -> str:
+    if phase is Phase.DECODE and device == "cuda":
+        return "full" if decode_graph_capable else "breakable"
+    return "disabled"
+
+
+def _flag_compiler_applies(backend: str, args: ServerArgs) -> bool:
+    """Whether `--cuda-graph-tc-compiler` applies to a phase of `backend`: tc_piecewise
+    always; full unless `--enable-torch-compile` keeps SGLang's per-bucket compile for it."""
+    return backend == Backend.TC_PIECEWISE or (
+        backend == Backend.FULL and not args.enable_torch_compile
+    )

@@ -32,12 +32,13 @@ def tc_compiler(config: PhaseConfig) -> str:
 
 
 def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
-    """The runner's `PiecewiseModel`, traced and compiled on first use."""
+    """The runner's `PiecewiseModel`, traced and compiled on first use, with every compiler a
+    phase asks for (tc_piecewise phases, and full phases that capture the compiled forward)."""
     if env.piecewise is not None:
         return env.piecewise
     if env.cache is None:
-        raise RuntimeError("tc_piecewise needs the compile cache (RunnerEnv.cache)")
-    tc = [c for c in env.configs.values() if c.backend is Backend.TC_PIECEWISE]
+        raise RuntimeError("a compiled phase needs the compile cache (RunnerEnv.cache)")
+    tc = [c for c in env.configs.values() if c.tc_compiler is not None]
     largest = max(c.bs[-1] for c in tc)
     args = env.args
     model = PiecewiseModel(
@@ -58,6 +59,25 @@ def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
         model.trace(batch.input_ids, batch.positions)
     env.piecewise = model
     return model
+
+
+def compiled_logits(
+    compiled: PiecewiseModel,
+    env: RunnerEnv,
+    batch: ForwardBatch,
+    dispatcher: BucketDispatcher,
+    bucket: int | None,
+) -> torch.Tensor:
+    """Logits [B, V] of `batch` (its attention metadata set) through the compiled graph, each
+    piece routed to `dispatcher` for `bucket` (None: the general pieces)."""
+    if batch.padded_tokens > compiled.max_tokens:
+        raise ValueError(
+            f"a batch of {batch.padded_tokens} tokens exceeds the {compiled.max_tokens} the "
+            "graph was compiled for (--max-prefill-tokens)"
+        )
+    with forward_context(batch):
+        hidden = compiled(batch.input_ids, batch.positions, dispatcher, bucket)
+    return last_token_logits(env.model, hidden, batch.extend_start_loc, batch.extend_lens)
 
 
 class PiecewiseRunner:
@@ -82,17 +102,10 @@ class PiecewiseRunner:
         return self._forward(batch, bucket)
 
     def _forward(self, batch: ForwardBatch, bucket: int | None) -> torch.Tensor:
-        if batch.padded_tokens > self.compiled.max_tokens:
-            raise ValueError(
-                f"{self.phase.value}: a batch of {batch.padded_tokens} tokens exceeds the "
-                f"{self.compiled.max_tokens} the graph was compiled for (--max-prefill-tokens)"
-            )
         if bucket is not None:
             batch = pad_tokens(batch, bucket)
         batch.attn_backend.init_forward_metadata(batch)
-        with forward_context(batch):
-            hidden = self.compiled(batch.input_ids, batch.positions, self.dispatcher, bucket)
-        return last_token_logits(self.env.model, hidden, batch.extend_start_loc, batch.extend_lens)
+        return compiled_logits(self.compiled, self.env, batch, self.dispatcher, bucket)
 
     def prewarm(self, buckets: list[int]) -> None:
         """Specialise `buckets` now with dummy batches: a warm-up hit, then the specialising
