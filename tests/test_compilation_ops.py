@@ -5,14 +5,16 @@ shape, on the CPU, on every supported torch (2.11's opcheck skips CPU strides)."
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 import torch
+from layer_op_cases import kernel_device, op_cases
 
 import srt.layers.attention.layer  # noqa: F401 (defines srt::attention)
 from srt.compilation.custom_ops import custom_ops, opcheck, register_custom_op, split_ops
 from srt.layers.attention.base import create_attention_backend
+from srt.layers.custom_op import OPS
 from srt.model_executor.forward_batch import ForwardMode, forward_context
 from srt.model_executor.static_batch import dummy_batch
 
@@ -33,8 +35,28 @@ def attention_sample() -> Sample:
     return (q, k, v, torch.empty_like(q), k_cache, v_cache, head_dim**-0.5), forward_context(batch)
 
 
+def layer_op_sample(qualname: str) -> Callable[[], Sample]:
+    """The first of the layer op cases for the op (run where its kernel can run)."""
+
+    def sample() -> Sample:
+        cases = op_cases(torch.bfloat16, kernel_device())
+        args = next(args for op, _, args in cases if op._qualname == qualname)
+        return args, nullcontext()
+
+    return sample
+
+
+LAYER_OPS = [
+    "srt::fused_add_rms_norm",
+    "srt::rms_norm",
+    "srt::rotary_embedding",
+    "srt::silu_and_mul",
+]
 # One sample per op: an op registered without a sample here fails the coverage test.
-SAMPLES: dict[str, Callable[[], Sample]] = {"srt::attention": attention_sample}
+SAMPLES: dict[str, Callable[[], Sample]] = {
+    "srt::attention": attention_sample,
+    **{f"srt::{op}": layer_op_sample(f"srt::{op}") for op in OPS},
+}
 
 
 def test_every_srt_op_has_a_sample() -> None:
