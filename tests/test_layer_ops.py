@@ -308,7 +308,16 @@ def test_kernels_on_give_the_greedy_ids_of_the_reference(
 
 
 GPU_GRAPHS = {
-    "default": {},
+    "default": {},  # decode full (kernels captured), prefill eager
+    "breakable": {
+        "cuda_graph_backend_decode": "breakable",
+        "cuda_graph_backend_prefill": "breakable",
+    },
+    "tc_piecewise-eager": {
+        "cuda_graph_backend_decode": "tc_piecewise",
+        "cuda_graph_backend_prefill": "tc_piecewise",
+        "cuda_graph_tc_compiler": "eager",
+    },
     "tc_piecewise-inductor": {
         "cuda_graph_backend_decode": "tc_piecewise",
         "cuda_graph_backend_prefill": "tc_piecewise",

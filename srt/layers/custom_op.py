@@ -82,19 +82,21 @@ def parse_custom_ops(entries: Sequence[str] | None) -> dict[str, str | None]:
     return chosen
 
 
-def resolve_custom_ops(
-    entries: Sequence[str] | None, kernels_missing: str | None
-) -> dict[str, OpImpl]:
-    """The implementation of every op for `--custom-ops entries`; `kernels_missing` is why
-    no kernel can run here (no CUDA, no triton), or None when they can."""
+def _forces_kernel(entry: str | None) -> bool:
+    return entry is not None and (entry == "all" or entry.startswith("+"))
+
+
+def resolve_custom_ops(entries: Sequence[str] | None, missing: str | None) -> dict[str, OpImpl]:
+    """The implementation of every op for `--custom-ops entries`; `missing` is why no kernel
+    can run here (`kernels_missing`), or None when they can."""
     impls = {}
     for name, entry in parse_custom_ops(entries).items():
-        if kernels_missing is not None:
-            impls[name] = OpImpl(False, False, kernels_missing)
+        if missing is not None:
+            impls[name] = OpImpl(False, False, missing)
         elif entry is None:
             impls[name] = OpImpl(True, False, "default: the reference only where Inductor compiles")
         else:
-            kernel = entry == "all" or entry.startswith("+")
+            kernel = _forces_kernel(entry)
             impls[name] = OpImpl(kernel, kernel, f"--custom-ops {entry}")
     return impls
 
@@ -110,8 +112,7 @@ def kernels_missing(device_type: str) -> str | None:
 
 def asks_for_kernels(entries: Sequence[str] | None) -> bool:
     """Whether the flag forces a kernel on for some op (`all` or a `+name`)."""
-    forced = parse_custom_ops(entries).values()
-    return any(entry is not None and (entry == "all" or entry[0] == "+") for entry in forced)
+    return any(_forces_kernel(entry) for entry in parse_custom_ops(entries).values())
 
 
 class CustomOp(nn.Module):
