@@ -101,6 +101,12 @@ class ServerArgs:
         None, "Compile cache root (default: ~/.cache/srt/compile)."
     )
     keep_shape_guards: bool = _opt(False, "Debug: keep Dynamo shape guards after tracing.")
+    custom_ops: list[str] | None = _opt(
+        None,
+        "Layer ops' Triton kernels: exactly one of all/none, then +NAME/-NAME overrides "
+        "(e.g. none +rms_norm, or all,-rotary_embedding). Default: kernels, but the PyTorch "
+        "reference inside graphs Inductor compiles (docs/compilation.md lists the ops).",
+    )
 
     # Server
     host: str = _opt("127.0.0.1", "HTTP host.")
@@ -164,6 +170,12 @@ class ServerArgs:
                 "log_level",
                 f"invalid choice: {self.log_level!r} (choose from {', '.join(LOG_LEVELS)})",
             )
+        from srt.layers.custom_op import parse_custom_ops
+
+        try:
+            parse_custom_ops(self.custom_ops)
+        except ValueError as e:
+            raise ServerArgsError("custom_ops", str(e)) from None
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ServerArgsError("device", f"must be cpu, cuda or auto, got {self.device!r}")
         if self.device.startswith("cuda"):

@@ -1,18 +1,21 @@
 """Every custom op passes `opcheck` (torch.library.opcheck plus our fake-vs-real stride check),
 and the same check rejects a fake (meta) implementation whose output has the wrong stride or
-shape, on the CPU, on every supported torch (2.11's opcheck skips CPU strides)."""
+shape, on the CPU, on every supported torch (2.11's opcheck skips CPU strides). The layer ops'
+Triton kernels are checked where they can run: on CUDA, or on the CPU under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 import torch
+from layer_op_cases import kernel_device, op_cases
 
 import srt.layers.attention.layer  # noqa: F401 (defines srt::attention)
 from srt.compilation.custom_ops import custom_ops, opcheck, register_custom_op, split_ops
 from srt.layers.attention.base import create_attention_backend
+from srt.layers.custom_op import OPS
 from srt.model_executor.forward_batch import ForwardMode, forward_context
 from srt.model_executor.static_batch import dummy_batch
 
@@ -33,8 +36,22 @@ def attention_sample() -> Sample:
     return (q, k, v, torch.empty_like(q), k_cache, v_cache, head_dim**-0.5), forward_context(batch)
 
 
+def layer_op_sample(qualname: str) -> Callable[[], Sample]:
+    """The first of the layer op cases for the op (run where its kernel can run)."""
+
+    def sample() -> Sample:
+        cases = op_cases(torch.bfloat16, kernel_device())
+        args = next(args for op, _, args in cases if op._qualname == qualname)
+        return args, nullcontext()
+
+    return sample
+
+
 # One sample per op: an op registered without a sample here fails the coverage test.
-SAMPLES: dict[str, Callable[[], Sample]] = {"srt::attention": attention_sample}
+SAMPLES: dict[str, Callable[[], Sample]] = {
+    "srt::attention": attention_sample,
+    **{f"srt::{op}": layer_op_sample(f"srt::{op}") for op in OPS},
+}
 
 
 def test_every_srt_op_has_a_sample() -> None:

@@ -205,6 +205,7 @@ def bench(
             "decode_backend": graphs[Phase.DECODE].backend.value,
             "enable_torch_compile": args.enable_torch_compile,
             "tc_compiler": graphs[Phase.DECODE].tc_compiler,
+            "custom_ops": args.custom_ops,
             "load_s": round(runner.load_s, 3),
             "startup_s": round(startup_s, 3),
             "compile_s": compile_info.get("total_s"),

@@ -1,6 +1,7 @@
 """Compilation layer: custom ops, split ops, tracing, piecewise compile, cache.
 
-- `custom_ops`: `register_custom_op`, `register_split_op`, `custom_ops()`, `split_ops()`.
+- `custom_ops`: `register_custom_op`, `register_split_op`, `custom_ops()`, `split_ops()`,
+  `inductor_trace()`.
 - `piecewise_model`: `PiecewiseModel`, the forward traced once and run with no guards.
 - `backend`: the torch.compile backend Dynamo hands the traced graph to.
 - `split`: the split at split ops and the piece signatures (identical pieces share).

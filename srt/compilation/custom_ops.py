@@ -5,12 +5,15 @@ implementation in the same call, so no op exists without one; `custom_ops()` lis
 made this way (the tests check each with `opcheck`, torch's plus a stride check that torch
 before 2.12 skips on the CPU). `register_split_op`, applied where an op is defined,
 adds the op to the set of ops the piecewise compiler splits the graph at; `split_ops()` lists
-that set, since decentralised registration leaves no file to read it.
+that set, since decentralised registration leaves no file to read it. `inductor_trace()`
+marks the calls of functions compiled for Inductor, so that layer ops with a kernel and a
+reference trace the reference there by default (`srt/layers/custom_op.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -111,3 +114,25 @@ def opcheck(
     only, so a CPU fake with the wrong layout passed it)."""
     check_fake_outputs(op, args, kwargs)
     torch.library.opcheck(op, args, kwargs)
+
+
+_inductor_trace = False
+
+
+@contextmanager
+def inductor_trace(active: bool = True) -> Iterator[None]:
+    """Mark the calls inside as ones whose Dynamo trace Inductor compiles (layer ops with a
+    kernel and a reference read it, through `in_inductor_trace`, to pick the reference by
+    default there). Wrap every call of a function compiled for Inductor, not only the
+    first: where Dynamo keeps its guards, it guards on this value."""
+    global _inductor_trace
+    before, _inductor_trace = _inductor_trace, active
+    try:
+        yield
+    finally:
+        _inductor_trace = before
+
+
+def in_inductor_trace() -> bool:
+    """True while Dynamo traces code inside `inductor_trace()`."""
+    return _inductor_trace and torch.compiler.is_compiling()

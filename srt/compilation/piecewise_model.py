@@ -31,7 +31,7 @@ from torch import nn
 
 from srt.compilation.backend import MIN_TOKENS, PiecewiseBackend, recording_token_decisions
 from srt.compilation.cache import CompileCache
-from srt.compilation.custom_ops import split_ops
+from srt.compilation.custom_ops import inductor_trace, split_ops
 from srt.compilation.dispatch import BucketDispatcher, PieceFn, Router
 from srt.compilation.errors import CompilationError, GraphBreakError, ShapeSpecializationError
 
@@ -99,6 +99,9 @@ class PiecewiseModel:
                 torch.inference_mode(),
                 recording_token_decisions() as self.backend.decisions,
                 inductor,
+                # One trace serves every compiler: with Inductor among them, the layer ops
+                # left at their default trace their reference, for Inductor to fuse.
+                inductor_trace("inductor" in self.compilers),
                 torch._dynamo.config.patch(
                     recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT
                 ),

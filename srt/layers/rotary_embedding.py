@@ -1,4 +1,9 @@
-"""Rotary position embedding (rotate-half layout, as Llama and Qwen), with llama3 scaling."""
+"""Rotary position embedding (rotate-half layout, as Llama and Qwen), with llama3 scaling.
+
+One op (see custom_op.py), `rotary_embedding`: the reference below or the Triton kernel behind
+the custom op `srt::rotary_embedding`, which rotates q and k in one launch. Both read the
+same cos/sin cache, so the llama3 scaling is the cache's and not the kernel's.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
+
+from srt.compilation.custom_ops import register_custom_op
+from srt.layers.custom_op import CustomOp
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -32,7 +39,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
+def _rotary_fake(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@register_custom_op("rotary_embedding", mutates_args=(), fake_impl=_rotary_fake)
+def rotary_kernel(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq*D], k [T, Hkv*D] rotated by the Triton kernel: new contiguous tensors."""
+    from srt.layers.triton_ops.rotary import rotary_into
+
+    q_out, k_out = _rotary_fake(positions, q, k, cos_cache, sin_cache, head_dim)
+    rotary_into(q_out, k_out, positions, q, k, cos_cache, sin_cache, head_dim)
+    return q_out, k_out
+
+
+class RotaryEmbedding(CustomOp):
     cos_cache: torch.Tensor  # buffers, [max_position, head_dim / 2]
     sin_cache: torch.Tensor
 
@@ -51,6 +86,8 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq*D], k: [T, Hkv*D] -> rotated, same shapes."""
+        if self.uses_kernel("rotary_embedding"):
+            return rotary_kernel(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
         cos = self.cos_cache[positions].to(q.dtype)
         sin = self.sin_cache[positions].to(q.dtype)
         t = q.shape[0]

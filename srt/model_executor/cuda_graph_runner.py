@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from srt.compilation.custom_ops import inductor_trace
 from srt.compilation.dispatch import BucketDispatcher
 from srt.compilation.piecewise_model import PiecewiseModel
 from srt.model_executor.forward_batch import ForwardBatch, forward_context
@@ -93,10 +94,11 @@ class FullGraphRunner(BucketRunner):
         logits = self._compiled_general(padded)
         if logits is not None:
             return logits
-        fn, limits = logits_of, contextlib.nullcontext()
+        fn, limits, compiled = logits_of, contextlib.nullcontext(), False
         if self.compiled is not None and bucket <= self.env.args.torch_compile_max_bs:
-            fn, limits = self.compiled, torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
-        with forward_context(padded), limits:
+            limits = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
+            fn, compiled = self.compiled, True
+        with forward_context(padded), limits, inductor_trace(compiled):
             return fn(
                 self.env.model,
                 padded.input_ids,

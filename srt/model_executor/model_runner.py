@@ -14,6 +14,15 @@ from srt.compilation.cache import CompileCache, collect_factors, default_cache_r
 from srt.compilation.custom_ops import split_ops
 from srt.compilation.piecewise_model import compile_info
 from srt.layers.attention.base import attention_backend_class
+from srt.layers.custom_op import (
+    OpImpl,
+    apply_custom_ops,
+    asks_for_kernels,
+    custom_ops_info,
+    describe_custom_ops,
+    kernels_missing,
+    resolve_custom_ops,
+)
 from srt.layers.sampler import SamplingBatch, logprobs_of, sample
 from srt.managers.io_struct import BatchPlan, BatchResult
 from srt.model_config import ModelConfig
@@ -56,6 +65,7 @@ class ModelRunner:
         self.model = load_model(config, self.device, args.load_format, args.seed)
         self.load_s = time.perf_counter() - start
         logger.info("loaded %s (%s) in %.2f s", config.architecture, config.dtype, self.load_s)
+        self.custom_ops = self._select_custom_ops()  # before any trace: it shapes the graph
 
         start = time.perf_counter()
         self.num_slots = self._kv_slots()
@@ -98,6 +108,15 @@ class ModelRunner:
         self.piecewise = env.piecewise  # the tc_piecewise phases' compiled model, if any
         logger.info("split ops: %s", ", ".join(split_ops()))
         self.capture_s = self._prewarm()
+
+    def _select_custom_ops(self) -> dict[str, OpImpl]:
+        missing = kernels_missing(self.device.type)
+        impls = resolve_custom_ops(self.args.custom_ops, missing)
+        if missing is not None and asks_for_kernels(self.args.custom_ops):
+            logger.warning("--custom-ops asks for kernels, but %s: the reference runs", missing)
+        apply_custom_ops(self.model, impls)
+        logger.info("custom ops: %s", "; ".join(describe_custom_ops(impls)))
+        return impls
 
     def _kv_slots(self) -> int:
         if self.args.max_total_tokens:
@@ -172,6 +191,7 @@ class ModelRunner:
                 "enable_torch_compile": args.enable_torch_compile,
                 "torch_compile_max_bs": args.torch_compile_max_bs,
                 "keep_shape_guards": args.keep_shape_guards,
+                "custom_ops": custom_ops_info(self.custom_ops),
             },
             self.device,
             Path(inspect.getfile(type(self.model))),
@@ -218,6 +238,7 @@ class ModelRunner:
             "capture_s": round(self.capture_s, 3),
             "graph_pool": self.graph_pool.info(),
             "compile": compile_info(self.piecewise),
+            "custom_ops": custom_ops_info(self.custom_ops),
             "graphs": {
                 phase.value: self.phase_runners[phase_mode(phase)].info()
                 for phase in self.graph_configs

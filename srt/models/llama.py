@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from srt.layers.activation import silu_and_mul
+from srt.layers.activation import SiluAndMul
 from srt.layers.attention.layer import Attention
 from srt.layers.embedding import LMHead, VocabEmbedding
 from srt.layers.layernorm import RMSNorm
@@ -23,9 +23,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size])
         self.down_proj = Linear(intermediate_size, [hidden_size])
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):

@@ -1,0 +1,373 @@
+"""The layer ops with a Triton kernel and a PyTorch reference (srt/layers/custom_op.py): the
+`--custom-ops` grammar, the default rule per compiler, the call-time choice inside a Dynamo
+trace, the fakes' layouts, and each kernel against its reference.
+
+Kernel tests run on CUDA (gpu) and, on the CPU, in a process started with TRITON_INTERPRET=1
+where triton is installed (skipped otherwise). The interpreter truncates float32 to bfloat16
+where the GPU rounds to nearest, so bf16 is compared within a few bf16 ulps, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from compile_helpers import greedy_ids, tc_engine
+from layer_op_cases import INTERPRETED, KERNEL_DEVICES, LLAMA3_SCALING, op_cases
+from torch._prims_common import check_significant_strides
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from srt import Engine
+from srt.compilation.custom_ops import inductor_trace
+from srt.layers.activation import SiluAndMul
+from srt.layers.custom_op import (
+    OPS,
+    OpImpl,
+    apply_custom_ops,
+    asks_for_kernels,
+    parse_custom_ops,
+    resolve_custom_ops,
+)
+from srt.layers.layernorm import RMSNorm, fused_add_rms_norm_kernel, rms_norm_kernel
+from srt.layers.rotary_embedding import RotaryEmbedding, rotary_kernel
+from srt.server_args import ServerArgs, ServerArgsError
+
+# ---- the grammar ----
+
+
+@pytest.mark.parametrize(
+    ("entries", "forced"),
+    [
+        (None, dict.fromkeys(OPS)),
+        (["all"], dict.fromkeys(OPS, "all")),
+        (["none", "+rms_norm"], {**dict.fromkeys(OPS, "none"), "rms_norm": "+rms_norm"}),
+        (
+            ["-silu_and_mul,all", "-rotary_embedding"],
+            {
+                **dict.fromkeys(OPS, "all"),
+                "silu_and_mul": "-silu_and_mul",
+                "rotary_embedding": "-rotary_embedding",
+            },
+        ),
+        (
+            ["none", "+rms_norm", "+rms_norm"],
+            {**dict.fromkeys(OPS, "none"), "rms_norm": "+rms_norm"},
+        ),
+    ],
+)
+def test_valid_lists(entries: list[str] | None, forced: dict[str, str | None]) -> None:
+    assert parse_custom_ops(entries) == forced
+
+
+@pytest.mark.parametrize(
+    ("entries", "complaint"),
+    [
+        ([], "needs exactly one of 'all' or 'none'"),
+        (["+rms_norm"], "needs exactly one of 'all' or 'none'"),
+        (["all", "none"], "needs exactly one of 'all' or 'none'"),
+        (["all", "all"], "needs exactly one of 'all' or 'none'"),
+        (["all", "-rms"], "unknown op 'rms' in '-rms'; the ops are fused_add_rms_norm, "),
+        (["none", "rms_norm"], "invalid entry 'rms_norm': expected all, none, \\+NAME or -NAME"),
+        (["none", "+silu_and_mul", "-silu_and_mul"], "\\+silu_and_mul and -silu_and_mul contra"),
+        ("all", "expected a list of entries"),
+    ],
+)
+def test_invalid_lists_name_the_flag(entries: Any, complaint: str) -> None:
+    with pytest.raises(ValueError, match=complaint):
+        parse_custom_ops(entries)
+    with pytest.raises(ServerArgsError, match=f"^argument --custom-ops: {complaint}"):
+        ServerArgs(custom_ops=entries).check()
+
+
+def test_engine_refuses_an_invalid_list_before_loading() -> None:
+    with pytest.raises(ServerArgsError, match="argument --custom-ops: needs exactly one of"):
+        Engine(model_path="/nonexistent", custom_ops=["all", "none"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "entries"),
+    [
+        (["--custom-ops", "none", "+rms_norm"], ["none", "+rms_norm"]),
+        (["--custom-ops", "all,-rotary_embedding"], ["all,-rotary_embedding"]),
+        (["--custom-ops=-rotary_embedding,all"], ["-rotary_embedding,all"]),
+        ([], None),
+    ],
+)
+def test_cli_form(argv: list[str], entries: list[str] | None) -> None:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    assert args.custom_ops == entries
+    args.check()
+
+
+def test_default_rule_per_compiler() -> None:
+    """Unset: the kernel, except inside a graph Inductor compiles; a forced entry wins in
+    both; with no kernels here, the reference everywhere."""
+    default = resolve_custom_ops(None, None)
+    assert {(i.kernel, i.kernel_in_inductor) for i in default.values()} == {(True, False)}
+    forced = resolve_custom_ops(["none", "+silu_and_mul"], None)
+    assert (forced["silu_and_mul"].kernel, forced["silu_and_mul"].kernel_in_inductor) == (
+        True,
+        True,
+    )
+    assert forced["silu_and_mul"].why == "--custom-ops +silu_and_mul"
+    assert (forced["rms_norm"].kernel, forced["rms_norm"].kernel_in_inductor) == (False, False)
+    off = resolve_custom_ops(["all"], "no kernels on cpu")
+    assert all(not i.kernel and not i.kernel_in_inductor for i in off.values())
+    assert {i.why for i in off.values()} == {"no kernels on cpu"}
+    assert asks_for_kernels(["none", "+rms_norm"]) and asks_for_kernels(["all"])
+    assert not asks_for_kernels(None) and not asks_for_kernels(["none", "-rms_norm"])
+
+
+# ---- the choice at call time ----
+
+
+def traced_ops(module: torch.nn.Module, inductor: bool, *args: torch.Tensor) -> set[str]:
+    """The `srt::` ops in the graph Dynamo traces of `module(*args)` (meta tensors: a kernel
+    op runs its fake there, so no kernel is needed)."""
+    seen: set[str] = set()
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        seen.update(str(n.target) for n in gm.graph.nodes if str(n.target).startswith("srt."))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with inductor_trace(inductor):
+        torch.compile(module, backend=backend, fullgraph=True)(*args)
+    return seen
+
+
+class Block(torch.nn.Module):
+    """The four ops, as a decoder layer uses them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RMSNorm(16)
+        self.rotary = RotaryEmbedding(8, 32, 10000.0, LLAMA3_SCALING)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        normed = self.norm(x)
+        x, residual = self.norm(x, residual)
+        q, k = self.rotary(pos, x, normed)
+        return self.act(torch.cat([q, k], dim=-1)) + residual
+
+
+@pytest.mark.parametrize(
+    ("entries", "outside", "inside"),
+    [
+        (None, set(OPS), set()),
+        (["all"], set(OPS), set(OPS)),
+        (["none", "+rms_norm"], {"rms_norm"}, {"rms_norm"}),
+        (
+            ["all", "-fused_add_rms_norm"],
+            set(OPS) - {"fused_add_rms_norm"},
+            set(OPS) - {"fused_add_rms_norm"},
+        ),
+    ],
+)
+def test_dynamo_traces_the_selected_impl(
+    entries: list[str] | None, outside: set[str], inside: set[str]
+) -> None:
+    block = Block().to("meta")
+    apply_custom_ops(block, resolve_custom_ops(entries, None))
+    args = (torch.empty(3, 16, device="meta"),) * 2 + (
+        torch.zeros(3, dtype=torch.long, device="meta"),
+    )
+    assert traced_ops(block, False, *args) == {f"srt.{op}.default" for op in outside}
+    assert traced_ops(block, True, *args) == {f"srt.{op}.default" for op in inside}
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    ("compiler", "entries", "kernels_traced"),
+    [
+        ("eager", None, True),
+        ("eager", ["none"], False),
+        ("inductor", None, False),
+        ("inductor", ["all"], True),
+    ],
+)
+def test_tc_piecewise_traces_the_selected_impl(
+    compiler: str,
+    entries: list[str] | None,
+    kernels_traced: bool,
+    tiny_llama: Path,
+    tmp_path: Path,
+    reference: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One trace for the eager pieces keeps the kernels in it as opaque ops (run by the
+    interpreter here); a trace for Inductor holds the reference by default."""
+    monkeypatch.setattr("srt.model_executor.model_runner.kernels_missing", lambda device: None)
+    with tc_engine(tiny_llama, tmp_path, compiler, custom_ops=entries) as eng:
+        info = eng.get_server_info()
+        graph = (Path(info["compile"]["cache_dir"]) / "computation_graph.py").read_text()
+        for op in OPS:
+            assert (f"torch.ops.srt.{op}.default" in graph) == kernels_traced, op
+        assert greedy_ids(eng) == reference
+
+
+def test_a_layer_without_a_selection_runs_the_reference() -> None:
+    norm = RMSNorm(16)
+    assert norm.op_impls == {} and not norm.uses_kernel("rms_norm")
+    norm.op_impls = {"rms_norm": OpImpl(True, False, "test")}
+    with inductor_trace():  # not tracing: the eager choice
+        assert norm.uses_kernel("rms_norm")
+
+
+# ---- the fakes ----
+
+
+def _leaves(out: Any) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def test_fakes_match_the_reference_layout() -> None:
+    for op, reference, args in op_cases(torch.bfloat16, "cpu"):
+        expected = _leaves(reference(*args))
+        with FakeTensorMode() as mode:
+            fake_args = tuple(
+                mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args
+            )
+            fake = _leaves(op(*fake_args))
+        assert len(fake) == len(expected), op
+        for f, e in zip(fake, expected, strict=True):
+            assert (f.shape, f.dtype) == (e.shape, e.dtype), op
+            assert check_significant_strides(f, e, only_cuda=False)[0], op
+
+
+# ---- kernels against the reference ----
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+
+
+def poisoned_run(op: Callable, args: tuple) -> list[torch.Tensor]:
+    """Run the kernel behind `op` into NaN-filled outputs (through its Triton launcher), so
+    that an element it leaves unwritten fails the comparison."""
+    from srt.layers.triton_ops.rms_norm import rms_norm_into
+    from srt.layers.triton_ops.rotary import rotary_into
+    from srt.layers.triton_ops.silu_and_mul import silu_and_mul_into
+
+    outs = [torch.full_like(t, float("nan")) for t in _leaves(op(*args))]
+    if op is rms_norm_kernel:
+        rms_norm_into(outs[0], *args)
+    elif op is fused_add_rms_norm_kernel:
+        x, residual, weight, eps = args
+        rms_norm_into(outs[0], x, weight, eps, residual, outs[1])
+    elif op is rotary_kernel:
+        rotary_into(outs[0], outs[1], *args)
+    else:
+        silu_and_mul_into(outs[0], *args)
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_kernels_match_the_reference(device: str, dtype: torch.dtype) -> None:
+    for op, reference, args in op_cases(dtype, device):
+        for out, expected in zip(poisoned_run(op, args), _leaves(reference(*args)), strict=True):
+            torch.testing.assert_close(
+                out, expected, **tolerance(dtype), msg=lambda m, op=op: f"{op}: {m}"
+            )
+
+
+ARCHS = [("llama", {"rope_scaling": "llama3"}), ("qwen3", {})]  # rope scaling; q/k norm
+
+
+def greedy_ids_kernels_on_and_off(path: Path, device: str, **options: Any) -> dict[str, Any]:
+    """Greedy ids of the model with every kernel off (`none`) and every one on (`all`)."""
+    ids = {}
+    for entries in (["none"], ["all"]):
+        with Engine(
+            model_path=str(path), device=device, dtype="float32", custom_ops=entries, **options
+        ) as eng:
+            if device == "cpu":  # the runner never picks kernels without CUDA: force them
+                apply_custom_ops(eng.runner.model, resolve_custom_ops(entries, None))
+            norm = eng.runner.model.model.norm
+            assert norm.uses_kernel("fused_add_rms_norm") == (entries == ["all"])
+            ids[entries[0]] = greedy_ids(eng)
+    return ids
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("arch", "kwargs"), ARCHS, ids=[a for a, _ in ARCHS])
+def test_kernels_on_give_the_greedy_ids_of_the_reference(
+    arch: str, kwargs: dict[str, Any], tiny_model_factory: Callable[..., Path]
+) -> None:
+    ids = greedy_ids_kernels_on_and_off(tiny_model_factory(arch, **kwargs), "cpu")
+    assert ids["all"] == ids["none"]
+
+
+GPU_GRAPHS = {
+    "default": {},  # decode full (kernels captured), prefill eager
+    "breakable": {
+        "cuda_graph_backend_decode": "breakable",
+        "cuda_graph_backend_prefill": "breakable",
+    },
+    "tc_piecewise-eager": {
+        "cuda_graph_backend_decode": "tc_piecewise",
+        "cuda_graph_backend_prefill": "tc_piecewise",
+        "cuda_graph_tc_compiler": "eager",
+    },
+    "tc_piecewise-inductor": {
+        "cuda_graph_backend_decode": "tc_piecewise",
+        "cuda_graph_backend_prefill": "tc_piecewise",
+        "cuda_graph_tc_compiler": "inductor",
+    },
+    "full-torch-compile": {
+        "cuda_graph_backend_decode": "full",
+        "enable_torch_compile": True,
+        "torch_compile_max_bs": 4,
+    },
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", list(GPU_GRAPHS))
+@pytest.mark.parametrize(("arch", "kwargs"), ARCHS, ids=[a for a, _ in ARCHS])
+def test_kernels_on_give_the_greedy_ids_of_the_reference_on_the_gpu(
+    arch: str,
+    kwargs: dict[str, Any],
+    graphs: str,
+    tiny_model_factory: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """The kernels inside CUDA graphs, the eager pieces and Inductor's graphs (as opaque ops)."""
+    path = tiny_model_factory(arch, **kwargs)
+    options = {"compile_cache_dir": str(tmp_path), **GPU_GRAPHS[graphs]}
+    ids = greedy_ids_kernels_on_and_off(path, "cuda", **options)
+    assert ids["all"] == ids["none"]
+
+
+# ---- the runner ----
+
+
+def test_runner_reports_and_logs_the_selection(
+    tiny_llama: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        caplog.at_level(logging.INFO, logger="srt.model_executor.model_runner"),
+        Engine(model_path=str(tiny_llama), device="cpu", custom_ops=["none", "+rms_norm"]) as eng,
+    ):
+        info = eng.get_server_info()["runner"]["custom_ops"]
+    assert info["rms_norm"] == {
+        "impl": "reference",
+        "in_inductor_graph": "reference",
+        "why": "no kernels on cpu",
+    }
+    assert set(info) == set(OPS)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["--custom-ops asks for kernels, but no kernels on cpu: the reference runs"]
+    assert any(
+        r.getMessage().startswith("custom ops: fused_add_rms_norm: reference")
+        for r in caplog.records
+    )
