@@ -266,14 +266,18 @@ def bind(args: ServerArgs) -> socket.socket:
 def launch_server(args: ServerArgs, sock: socket.socket) -> int:
     """Run the server in this process, on the bound `sock`, until it stops; returns the exit
     code."""
-    from srt.engine import resolve_model_path
     from srt.managers.tokenizer import check_tokenizer_files
-    from srt.model_config import ModelConfig, ModelLoadError, warn_past_positions
+    from srt.model_config import (
+        ModelConfig,
+        ModelLoadError,
+        resolve_model_path,
+        warn_past_positions,
+    )
     from srt.process import configure_logging
 
     configure_logging(args.log_level, "tokenizer")
     try:
-        args.model_path = resolve_model_path(args)
+        args.model_path = resolve_model_path(args.model_path)
         model_config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
         warn_past_positions(model_config, args.context_length)
         check_tokenizer_files(args.tokenizer_path or args.model_path)

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_context
+from srt.batch_layout import ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, forward_context
 from srt.model_executor.graph_config import Backend, Phase, PhaseConfig
 from srt.model_executor.graph_memory import Captured, CaptureSession, GraphPool
 from srt.model_executor.static_batch import StaticBatch, dummy_batch

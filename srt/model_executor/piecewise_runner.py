@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from srt.batch_layout import ForwardMode
 from srt.compilation.backend import MIN_TOKENS
 from srt.compilation.dispatch import BucketDispatcher
 from srt.compilation.piecewise_model import PiecewiseModel
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_context, pad_tokens
+from srt.model_executor.forward_batch import ForwardBatch, forward_context, pad_tokens
 from srt.model_executor.graph_config import Backend, Phase, PhaseConfig
 from srt.model_executor.graph_runner import RunnerEnv, last_token_logits, phase_mode
 from srt.model_executor.piece_capture import PieceGraphs
