@@ -133,6 +133,7 @@ def test_every_endpoint_answers_503_until_ready(tiny_llama: Path) -> None:
 
     try:
         assert asyncio.run(answers(ready=False)) == [503, 503, 503]
+        manager.load_tokenizer()
         manager.mark_ready(64, 64, {"ready_at": time.time()})
         assert asyncio.run(answers(ready=True)) == [200, 200]
     finally:
