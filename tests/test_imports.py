@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "srt.models", "srt.model_executor", "srt.layers")
 
 
-def imported_after(module: str) -> list[str]:
-    """Every module loaded by importing `module` in a fresh interpreter."""
-    code = f"import json, sys; import {module}; print(json.dumps(sorted(sys.modules)))"
+def imported_after(module: str, then: str = "") -> list[str]:
+    """Every module loaded by importing `module` (and running `then`) in a fresh interpreter."""
+    code = f"import json, sys\nimport {module}\n{then}\nprint(json.dumps(sorted(sys.modules)))"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
@@ -56,6 +56,29 @@ def test_launcher_entry_skips_the_web_stack() -> None:
     # The launcher binds its port and spawns the children before paying for these.
     modules = imported_after("srt.launch_server")
     assert heavy(modules, ("fastapi", "uvicorn", "starlette", "pydantic")) == []
+
+
+def test_a_plain_fast_tokenizer_loads_without_torch(tiny_llama: Path) -> None:
+    # The tiny llama's tokenizer_config names PreTrainedTokenizerFast, as Llama 3's do.
+    then = f"srt.managers.tokenizer.load_tokenizer({str(tiny_llama)!r})"
+    modules = imported_after("srt.managers.tokenizer", then)
+    assert "transformers" in modules and heavy(modules, ("torch",)) == []
+
+
+def test_the_shortcut_loads_what_auto_tokenizer_does(tiny_llama: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from srt.managers.tokenizer import load_tokenizer
+
+    ours, auto = load_tokenizer(tiny_llama), AutoTokenizer.from_pretrained(str(tiny_llama))
+    assert type(ours) is type(auto)
+    chat = [{"role": "user", "content": "hello"}]
+    for tok in (ours, auto):
+        assert tok.encode("the lighthouse") == auto.encode("the lighthouse")
+        assert tok.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(
+            chat, tokenize=False
+        )
+        assert tok.eos_token_id == auto.eos_token_id and tok.get_vocab() == auto.get_vocab()
 
 
 def test_check_sees_torch() -> None:
