@@ -81,6 +81,12 @@ def test_the_shortcut_loads_what_auto_tokenizer_does(tiny_llama: Path) -> None:
         assert tok.eos_token_id == auto.eos_token_id and tok.get_vocab() == auto.get_vocab()
 
 
+def test_the_runner_skips_the_compiler_until_a_phase_compiles() -> None:
+    # sympy comes with Dynamo's shape machinery: a quarter of a second of the runner's start.
+    modules = imported_after("srt.model_executor.runner_process")
+    assert heavy(modules, ("sympy", "torch._dynamo", "srt.compilation.piecewise_model")) == []
+
+
 def test_check_sees_torch() -> None:
     # The check itself can fail: the runner's modules do import torch.
     assert "torch" in imported_after("srt.model_executor.runner_process")

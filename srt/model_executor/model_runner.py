@@ -12,8 +12,8 @@ import torch
 
 from srt.batch_layout import ForwardMode
 from srt.compilation.cache import CompileCache, collect_factors, default_cache_root
+from srt.compilation.compile_info import compile_info
 from srt.compilation.custom_ops import split_ops
-from srt.compilation.piecewise_model import compile_info
 from srt.layers.attention.base import attention_backend_class
 from srt.layers.sampler import SamplingBatch, logprobs_of, sample
 from srt.managers.io_struct import BatchPlan, BatchResult
