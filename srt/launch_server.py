@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # imported when the server starts, once its flags are known t
 logger = logging.getLogger("srt.launch_server")
 
 _SUPERVISE_S = 0.2  # how often children are checked
+_STARTING_POLL_S = 0.01  # and while starting, so that readiness is noticed at once
 _GRACEFUL_SHUTDOWN_S = 3  # open HTTP requests get this long to finish on shutdown
 _CHILD_STOP_S = 5  # SIGTERM, then SIGKILL after this long
 _SHUTDOWN_REASON = "the server is shutting down"
@@ -234,7 +235,7 @@ class Launcher:
                 and all(c.figures for c in self.children.values())
             ):
                 self._mark_ready()
-            await asyncio.sleep(_SUPERVISE_S)
+            await asyncio.sleep(_SUPERVISE_S if self.manager.ready else _STARTING_POLL_S)
         # A signal: requests in flight end now, with an error (a final event and [DONE] for a
         # stream), rather than being cut off when the graceful shutdown runs out.
         ended = self.manager.fail(_SHUTDOWN_REASON)
