@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -35,7 +36,8 @@ def configure_logging(level: str, process: str) -> None:
 
 def _die_with_parent() -> None:
     """Ask Linux to kill this process when the launcher dies, so that no child is orphaned."""
-    parent = os.getppid()
+    launcher = multiprocessing.parent_process()
+    parent = launcher.pid if launcher is not None else os.getppid()
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -62,6 +64,7 @@ class ChildEntry:
     function: str
 
     def __call__(self, *args: Any) -> None:
+        _die_with_parent()  # first: the imports take seconds, the launcher may die meanwhile
         getattr(importlib.import_module(self.module), self.function)(*args)
 
 
@@ -74,11 +77,11 @@ class ReadyPipe:
 
 
 def run_child(name: str, log_level: str, ready: ReadyPipe, build: Callable[[], W]) -> None:
-    """Body of a child process: build its worker, report readiness (or the error), serve."""
+    """Body of a child process (started by a `ChildEntry`, which has tied it to the launcher):
+    build its worker, report readiness (or the error), serve."""
     # The child's modules are imported by now (the entry's module, before it called this).
     spawn_imports_s = max(time.time() - ready.spawned_at, 0.0)
     configure_logging(log_level, name)
-    _die_with_parent()
     # Ctrl-C reaches the whole process group; the launcher alone decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start = time.perf_counter()
