@@ -301,7 +301,7 @@ TABLE = [
     ("ready s", "ready_s"),
     ("load s", "model_runner_load_s"),
     ("compile s", "compile_total_s"),
-    ("capture s", "model_runner_capture_s"),
+    ("upfront capture s", "model_runner_capture_s"),
     ("TTFT 1st ms", "ttft_first_ms"),
     ("TTFT later ms", "ttft_later_ms"),
     ("worst new-bucket excess ms", "worst_excess_ms"),
