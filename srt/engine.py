@@ -21,20 +21,11 @@ from srt.managers.io_struct import GenerateReq
 from srt.managers.outputs import SeqDecoder, SeqResult
 from srt.managers.scheduler import Scheduler
 from srt.managers.tokenizer import load_tokenizer
-from srt.model_config import ModelConfig, warn_past_positions
+from srt.model_config import ModelConfig, resolve_model_path, warn_past_positions
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_model_path(args: ServerArgs) -> str:
-    """The model to serve: the given path, else the built-in tiny model (made on first use)."""
-    if args.model_path:
-        return args.model_path
-    from srt.tools.make_tiny_model import default_model_dir
-
-    return str(default_model_dir())
 
 
 class Engine:
@@ -43,7 +34,7 @@ class Engine:
         self.server_args = ServerArgs.from_kwargs(**kwargs)
         args = self.server_args
         args.check()
-        args.model_path = resolve_model_path(args)
+        args.model_path = resolve_model_path(args.model_path)
         self.model_config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
         warn_past_positions(self.model_config, args.context_length)
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)

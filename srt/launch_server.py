@@ -4,12 +4,18 @@ and the model runner, connected by ZeroMQ in a private temporary directory.
     python -m srt.launch_server [--model-path DIR] [flags]
 
 Flags are checked, and the port bound, before anything heavy is imported or started: a bad flag
-or a port in use fails at once, with argparse's kind of message naming the flag.
+or a port in use fails at once, with argparse's kind of message naming the flag. Then, in this
+order: the first log line; the model directory checked (its config and tokenizer files, no
+torch); the two children spawned; and only then this process's own heavy imports (the web
+stack, transformers for the tokenizer), so that the three processes start in parallel.
 
-`/health` answers 503 until both children have reported ready. A child that dies takes the
-server down with a non-zero exit; SIGINT and SIGTERM shut everything down cleanly (open streams
-end with an error event and `[DONE]`). Either way no child outlives the launcher and the ipc
-directory is removed.
+HTTP is served as soon as the app exists: `/health` (and every other endpoint) answers 503
+while the tokenizer loads and until both children have reported ready. The ready lines and
+`/get_server_info` (`processes`) break each process's start down into its parts.
+
+A child that dies takes the server down with a non-zero exit; SIGINT and SIGTERM shut
+everything down cleanly (open streams end with an error event and `[DONE]`). Either way no
+child outlives the launcher and the ipc directory is removed.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from srt.process import ChildEntry, ReadyPipe
 from srt.server_args import ServerArgs, ServerArgsError
 
 if TYPE_CHECKING:  # imported when the server starts, once its flags are known to be good
@@ -39,6 +46,7 @@ if TYPE_CHECKING:  # imported when the server starts, once its flags are known t
 logger = logging.getLogger("srt.launch_server")
 
 _SUPERVISE_S = 0.2  # how often children are checked
+_STARTING_POLL_S = 0.01  # and while starting, so that readiness is noticed at once
 _GRACEFUL_SHUTDOWN_S = 3  # open HTTP requests get this long to finish on shutdown
 _CHILD_STOP_S = 5  # SIGTERM, then SIGKILL after this long
 _SHUTDOWN_REASON = "the server is shutting down"
@@ -48,17 +56,32 @@ class BackendFailed(RuntimeError):
     pass
 
 
+# The children's entry functions: (name, module, function).
+CHILDREN = [
+    ("model_runner", "srt.model_executor.runner_process", "run_runner_process"),
+    ("scheduler", "srt.managers.scheduler_process", "run_scheduler_process"),
+]
+
+
 class Child:
     """A spawned child process and the pipe on which it reports ready (or its error)."""
 
     def __init__(
-        self, name: str, target: Callable[..., None], args: ServerArgs, endpoints: Endpoints
+        self,
+        name: str,
+        target: Callable[..., None],
+        args: ServerArgs,
+        endpoints: Endpoints,
+        launched: float,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.name = name
         self.reader, writer = ctx.Pipe(duplex=False)
+        self.spawned_after_s = round(time.perf_counter() - launched, 3)
         self.process = ctx.Process(
-            target=target, args=(args, endpoints, writer), name=f"srt-{name}"
+            target=target,
+            args=(args, endpoints, ReadyPipe(writer, time.time())),
+            name=f"srt-{name}",
         )
         self.process.start()
         writer.close()  # the child holds the only writer: EOF means it is gone
@@ -67,8 +90,8 @@ class Child:
     def check(self, start: float) -> None:
         """Take its ready report if one came; raise BackendFailed if it failed or died.
 
-        `start` is the launch time, from which its readiness is timed (its own `setup_s`
-        counts from when its imports were done)."""
+        `start` is the launch time, from which `ready_after_s` is timed (the child times its
+        own parts from its spawn)."""
         if self.figures is None and self.reader.poll():
             try:
                 report = self.reader.recv()
@@ -77,7 +100,11 @@ class Child:
             if "error" in report:
                 raise BackendFailed(f"{self.name} failed to start: {report['error']}")
             if report:
-                self.figures = {**report, "ready_after_s": round(time.perf_counter() - start, 3)}
+                self.figures = {
+                    **report,
+                    "spawned_after_s": self.spawned_after_s,
+                    "ready_after_s": round(time.perf_counter() - start, 3),
+                }
         if not self.process.is_alive():
             raise BackendFailed(
                 f"{self.name} process (pid {self.process.pid}) died "
@@ -97,16 +124,26 @@ class Child:
 
 
 class Launcher:
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, model_config: ModelConfig, launched: float) -> None:
         from srt.managers.ipc import Endpoints
 
         self.args = args
-        self.started = time.perf_counter()
+        self.model_config = model_config
+        self.launched = launched  # perf_counter() when main() began
         self.endpoints = Endpoints.create()
         self.children: dict[str, Child] = {}
         self.manager: TokenizerManager | None = None
         self.server: uvicorn.Server | None = None
         self.stopping = False
+        # This process's own start, in order: each part's seconds (see `_mark`).
+        self.parts: dict[str, float] = {}
+        self._last_mark = launched
+
+    def _mark(self, part: str) -> None:
+        """`part` ends now: it took the time since the previous part ended."""
+        now = time.perf_counter()
+        self.parts[part] = round(now - self._last_mark, 3)
+        self._last_mark = now
 
     def on_signal(self, signum: int, _: FrameType | None) -> None:
         if not self.stopping:
@@ -115,56 +152,76 @@ class Launcher:
         if self.server is not None:
             self.server.should_exit = True
 
-    def run(self, model_config: ModelConfig, sock: socket.socket) -> int:
+    def spawn_children(self) -> None:
+        for name, module, function in CHILDREN:
+            target = ChildEntry(module, function)
+            self.children[name] = Child(name, target, self.args, self.endpoints, self.launched)
+        self._mark("start_s")
+
+    def run(self, sock: socket.socket) -> int:
         """Serve on `sock` until a signal (exit code 0) or a child failure (1)."""
         import uvicorn
         import uvloop
 
         from srt.entrypoints.http_server import create_app
-        from srt.managers.scheduler_process import run_scheduler_process
         from srt.managers.tokenizer_manager import TokenizerManager
-        from srt.model_executor.runner_process import run_runner_process
 
-        for name, target in [
-            ("model_runner", run_runner_process),
-            ("scheduler", run_scheduler_process),
-        ]:
-            self.children[name] = Child(name, target, self.args, self.endpoints)
-        # Loads the tokenizer while the children load the model.
-        self.manager = TokenizerManager(self.args, self.endpoints, model_config)
+        self._mark("imports_s")
+        self.manager = TokenizerManager(self.args, self.endpoints, self.model_config)
+        # uvicorn's own INFO lines (started, waiting for startup...) would read as the
+        # server's; srt logs its lifecycle itself, so only uvicorn's warnings come through.
+        level = max(logging.WARNING, logging.getLogger().getEffectiveLevel())
         config = uvicorn.Config(
             create_app(self.manager),
             host=self.args.host,
             port=self.args.port,
             loop="none",
             log_config=None,
+            log_level=level,
             access_log=False,
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
         )
         self.server = uvicorn.Server(config)
         self.server.should_exit = self.stopping
+        self._mark("app_s")
         return uvloop.run(self._serve(sock))
 
     async def _serve(self, sock: socket.socket) -> int:
         assert self.server is not None and self.manager is not None
+        # The tokenizer loads on the manager's tokenizing thread while HTTP already answers.
+        tokenizer = asyncio.get_running_loop().run_in_executor(
+            self.manager.prepare_pool, self._load_tokenizer
+        )
         outputs = asyncio.create_task(self.manager.handle_outputs())
-        supervisor = asyncio.create_task(self._supervise(outputs))
+        supervisor = asyncio.create_task(self._supervise(outputs, tokenizer))
+        logger.info(
+            "HTTP on http://%s:%d: 503 until ready (loading the tokenizer, children starting)",
+            self.args.host,
+            self.args.port,
+        )
         await self.server.serve(sockets=[sock])
         self.server.should_exit = True
         code = await supervisor
         outputs.cancel()
         return code
 
-    async def _supervise(self, outputs: asyncio.Task[None]) -> int:
-        """Mark the server ready once every child is; stop it when a child (or the task that
-        routes their outputs) fails."""
+    def _load_tokenizer(self) -> None:
+        assert self.manager is not None
+        self.manager.load_tokenizer()
+        self._mark("tokenizer_s")
+
+    async def _supervise(self, outputs: asyncio.Task[None], tokenizer: asyncio.Future[None]) -> int:
+        """Mark the server ready once the tokenizer and every child are; stop it when a child
+        (or the task that routes their outputs, or the tokenizer's load) fails."""
         assert self.server is not None and self.manager is not None
         while not self.server.should_exit:
             try:
                 for child in self.children.values():
-                    child.check(self.started)
+                    child.check(self.launched)
                 if outputs.done():
                     raise BackendFailed(f"routing outputs failed: {outputs.exception()!r}")
+                if tokenizer.done() and tokenizer.exception() is not None:
+                    raise BackendFailed(str(tokenizer.exception()))
             except BackendFailed as e:
                 if self.stopping:  # a signal reached the children too; we are leaving anyway
                     return 0
@@ -172,9 +229,13 @@ class Launcher:
                 self.manager.fail(str(e))
                 self.server.should_exit = True
                 return 1
-            if not self.manager.ready and all(c.figures for c in self.children.values()):
+            if (
+                not self.manager.ready
+                and tokenizer.done()
+                and all(c.figures for c in self.children.values())
+            ):
                 self._mark_ready()
-            await asyncio.sleep(_SUPERVISE_S)
+            await asyncio.sleep(_SUPERVISE_S if self.manager.ready else _STARTING_POLL_S)
         # A signal: requests in flight end now, with an error (a final event and [DONE] for a
         # stream), rather than being cut off when the graceful shutdown runs out.
         ended = self.manager.fail(_SHUTDOWN_REASON)
@@ -190,19 +251,21 @@ class Launcher:
         scheduler = self.children["scheduler"].figures
         assert runner is not None and scheduler is not None
         info = runner["info"]
-        graphs = graph_figures(info)
+        runner_entry = {
+            **_child_entry(runner, runner_parts(runner)),
+            "load_s": info["load_s"],
+            **graph_figures(info),
+        }
+        scheduler_entry = _child_entry(scheduler, {"spawn_imports_s": scheduler["spawn_imports_s"]})
         backends = ", ".join(
             f"{phase} {g['backend']}" for phase, g in (info.get("graphs") or {}).items()
         )
         logger.info(
-            "model_runner ready after %.2f s (pid %d; setup %.2f s: load %.2f s, compile %.2f s, "
-            "capture %.2f s); %s %s, %s attention, graphs: %s; %d KV slots, context length %d",
+            "model_runner ready after %.2f s (pid %d; %s); %s %s, %s attention, graphs: %s; "
+            "%d KV slots, context length %d",
             runner["ready_after_s"],
             runner["pid"],
-            runner["setup_s"],
-            info["load_s"],
-            graphs["compile_s"],
-            graphs["capture_s"],
+            parts_text(runner_entry),
             info["device"],
             info["dtype"],
             info["attention_backend"],
@@ -210,13 +273,19 @@ class Launcher:
             info["kv_slots"],
             info["context_length"],
         )
+        # Its "other" is mostly the wait for the runner's KV cache, which it plans against.
         logger.info(
-            "scheduler ready after %.2f s (pid %d; setup %.2f s)",
+            "scheduler ready after %.2f s (pid %d; %s)",
             scheduler["ready_after_s"],
             scheduler["pid"],
-            scheduler["setup_s"],
+            parts_text(scheduler_entry),
         )
-        startup_s = round(time.perf_counter() - self.started, 3)
+        startup_s = round(time.perf_counter() - self.launched, 3)
+        tokenizer_entry = {
+            "pid": os.getpid(),
+            "total_s": startup_s,
+            "breakdown": with_other(startup_s, self.parts),
+        }
         self.manager.mark_ready(
             info["context_length"],
             info["kv_slots"],
@@ -225,15 +294,16 @@ class Launcher:
                 "ready_at": time.time(),
                 "ipc_dir": self.endpoints.dir,
                 "processes": {
-                    "tokenizer": {"pid": os.getpid()},
-                    "scheduler": _without_info(scheduler),
-                    "model_runner": {**_without_info(runner), "load_s": info["load_s"], **graphs},
+                    "tokenizer": tokenizer_entry,
+                    "scheduler": scheduler_entry,
+                    "model_runner": runner_entry,
                 },
             },
         )
         logger.info(
-            "server ready in %.2f s: serving %s at http://%s:%d",
+            "server ready in %.2f s (this process: %s): serving %s at http://%s:%d",
             startup_s,
+            parts_text(tokenizer_entry),
             self.manager.model_name,
             self.args.host,
             self.args.port,
@@ -249,8 +319,47 @@ class Launcher:
         self.endpoints.remove()
 
 
-def _without_info(figures: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in figures.items() if k != "info"}
+def runner_parts(figures: dict[str, Any]) -> dict[str, float]:
+    """The model runner's start, part by part: its spawn and imports, then its own setup
+    (`warmup_s` where the runner reports one)."""
+    info = figures["info"]
+    compiled = info.get("compile") or {}
+    return {
+        "spawn_imports_s": figures["spawn_imports_s"],
+        "load_s": info["load_s"],
+        "kv_alloc_s": info["kv_alloc_s"],
+        "dynamo_s": compiled.get("dynamo_s", 0.0),
+        "inductor_s": compiled.get("compile_s", 0.0),
+        "warmup_s": info.get("warmup_s", 0.0),
+        "capture_s": info["capture_s"],
+    }
+
+
+def with_other(total_s: float, parts: dict[str, float]) -> dict[str, float]:
+    """`parts` and `other_s`, the rest of `total_s`. Never below zero: a piece that Inductor
+    compiles during its first capture counts in both."""
+    named = {k: round(float(v), 3) for k, v in parts.items()}
+    return {**named, "other_s": round(max(total_s - sum(named.values()), 0.0), 3)}
+
+
+def _child_entry(figures: dict[str, Any], parts: dict[str, float]) -> dict[str, Any]:
+    """A child's `processes` entry: its report (less the runner info, which the server info
+    has in full) with its total (spawn to ready report, as the child timed it) broken down."""
+    total_s = round(figures["spawn_imports_s"] + figures["setup_s"], 3)
+    return {
+        **{k: v for k, v in figures.items() if k != "info"},
+        "total_s": total_s,
+        "breakdown": with_other(total_s, parts),
+    }
+
+
+def parts_text(entry: dict[str, Any]) -> str:
+    """`total 2.31 s: spawn imports 1.80 s, load 0.04 s, ...` for a ready line."""
+    parts = ", ".join(
+        f"{name.removesuffix('_s').replace('_', ' ')} {seconds:.2f} s"
+        for name, seconds in entry["breakdown"].items()
+    )
+    return f"total {entry['total_s']:.2f} s: {parts}"
 
 
 def bind(args: ServerArgs) -> socket.socket:
@@ -263,31 +372,36 @@ def bind(args: ServerArgs) -> socket.socket:
         raise ServerArgsError("port", f"cannot listen on {args.host}:{args.port}: {reason}") from e
 
 
-def launch_server(args: ServerArgs, sock: socket.socket) -> int:
+def launch_server(args: ServerArgs, sock: socket.socket, launched: float) -> int:
     """Run the server in this process, on the bound `sock`, until it stops; returns the exit
-    code."""
-    from srt.engine import resolve_model_path
+    code. `launched` is the perf_counter() at which the launch began."""
     from srt.managers.tokenizer import check_tokenizer_files
-    from srt.model_config import ModelConfig, ModelLoadError, warn_past_positions
+    from srt.model_config import (
+        ModelConfig,
+        ModelLoadError,
+        resolve_model_path,
+        warn_past_positions,
+    )
     from srt.process import configure_logging
 
     configure_logging(args.log_level, "tokenizer")
+    logger.info(
+        "starting: model %s, port %d", args.model_path or "(the built-in tiny model)", args.port
+    )
     try:
-        args.model_path = resolve_model_path(args)
+        args.model_path = resolve_model_path(args.model_path)
         model_config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
         warn_past_positions(model_config, args.context_length)
         check_tokenizer_files(args.tokenizer_path or args.model_path)
     except ModelLoadError as e:
         logger.error("%s", e)
         return 1
-    launcher = Launcher(args)
+    launcher = Launcher(args, model_config, launched)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, launcher.on_signal)
     try:
-        code = launcher.run(model_config, sock)
-    except ModelLoadError as e:  # the tokenizer, loaded while the children start
-        logger.error("%s", e)
-        code = 1
+        launcher.spawn_children()
+        code = launcher.run(sock)
     finally:
         launcher.cleanup()
         sock.close()
@@ -296,6 +410,7 @@ def launch_server(args: ServerArgs, sock: socket.socket) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    launched = time.perf_counter()
     parser = argparse.ArgumentParser(
         prog="python -m srt.launch_server",
         description="Serve a model over an OpenAI-compatible HTTP API.",
@@ -307,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         sock = bind(args)
     except ServerArgsError as e:
         parser.error(str(e))
-    sys.exit(launch_server(args, sock))
+    sys.exit(launch_server(args, sock, launched))
 
 
 if __name__ == "__main__":

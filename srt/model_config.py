@@ -1,4 +1,9 @@
-"""The model shape, read from a Hugging Face `config.json`."""
+"""The model shape, read from a Hugging Face `config.json`: the one place that reads it.
+
+No torch here: the scheduler process and the launcher read the config too (vocabulary, eos ids,
+context length) and stay torch-free. The dtype is kept as its name; `ModelConfig.dtype` turns
+it into a torch dtype where the model side asks for one.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,14 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # each the name of a torch dtype
 
 
 class ModelLoadError(ValueError):
@@ -24,7 +30,7 @@ class ModelConfig:
     path: Path
     architecture: str
     hf_config: dict[str, Any]
-    dtype: torch.dtype
+    dtype_name: str  # one of DTYPE_NAMES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -65,7 +71,7 @@ class ModelConfig:
                 path=path,
                 architecture=archs[0],
                 hf_config=cfg,
-                dtype=_resolve_dtype(dtype, cfg),
+                dtype_name=_resolve_dtype(dtype, cfg),
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
@@ -92,6 +98,22 @@ class ModelConfig:
             )
         return result
 
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch  # only the model side asks, and it has torch loaded already
+
+        dtype: torch.dtype = getattr(torch, self.dtype_name)
+        return dtype
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    """The model to serve: the given path, else the built-in tiny model (made on first use)."""
+    if model_path:
+        return model_path
+    from srt.tools.make_tiny_model import default_model_dir
+
+    return str(default_model_dir())
+
 
 def warn_past_positions(config: ModelConfig, context_length: int | None) -> None:
     """A context longer than the model was trained for runs, but past its positions the
@@ -105,12 +127,12 @@ def warn_past_positions(config: ModelConfig, context_length: int | None) -> None
         )
 
 
-def _resolve_dtype(dtype: str, cfg: dict[str, Any]) -> torch.dtype:
+def _resolve_dtype(dtype: str, cfg: dict[str, Any]) -> str:
     if dtype == "auto":
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+    if dtype not in DTYPE_NAMES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPE_NAMES)}")
+    return dtype
 
 
 def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -1,18 +1,22 @@
 """Set-up shared by the server's processes: one log format, and children tied to the launcher.
 
 A child reports to the launcher over a pipe exactly once: its startup figures when it is ready,
-or the error that stopped it.
+or the error that stopped it. Its figures time its own start (the interpreter and its imports)
+from the moment the launcher spawned it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
+import multiprocessing
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, TypeVar
 
@@ -32,7 +36,8 @@ def configure_logging(level: str, process: str) -> None:
 
 def _die_with_parent() -> None:
     """Ask Linux to kill this process when the launcher dies, so that no child is orphaned."""
-    parent = os.getppid()
+    launcher = multiprocessing.parent_process()
+    parent = launcher.pid if launcher is not None else os.getppid()
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -49,10 +54,34 @@ class Worker(Protocol):
 W = TypeVar("W", bound=Worker)
 
 
-def run_child(name: str, log_level: str, ready: Connection, build: Callable[[], W]) -> None:
-    """Body of a child process: build its worker, report readiness (or the error), serve."""
+@dataclass(frozen=True)
+class ChildEntry:
+    """A child's entry function, named as `module` and `function` rather than held: the
+    launcher spawns the model runner without importing its module (and torch) itself. The
+    child imports it on the call, so the import counts in the child's start."""
+
+    module: str
+    function: str
+
+    def __call__(self, *args: Any) -> None:
+        _die_with_parent()  # first: the imports take seconds, the launcher may die meanwhile
+        getattr(importlib.import_module(self.module), self.function)(*args)
+
+
+@dataclass
+class ReadyPipe:
+    """A child's end of the pipe on which it reports to the launcher."""
+
+    conn: Connection
+    spawned_at: float  # time.time() in the launcher just before the spawn
+
+
+def run_child(name: str, log_level: str, ready: ReadyPipe, build: Callable[[], W]) -> None:
+    """Body of a child process (started by a `ChildEntry`, which has tied it to the launcher):
+    build its worker, report readiness (or the error), serve."""
+    # The child's modules are imported by now (the entry's module, before it called this).
+    spawn_imports_s = max(time.time() - ready.spawned_at, 0.0)
     configure_logging(log_level, name)
-    _die_with_parent()
     # Ctrl-C reaches the whole process group; the launcher alone decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start = time.perf_counter()
@@ -60,11 +89,16 @@ def run_child(name: str, log_level: str, ready: Connection, build: Callable[[], 
         worker = build()
     except Exception as e:
         logger.exception("%s failed to start", name)
-        ready.send({"error": f"{type(e).__name__}: {e}"})
-        ready.close()
+        ready.conn.send({"error": f"{type(e).__name__}: {e}"})
+        ready.conn.close()
         sys.exit(1)
-    ready.send(
-        {"pid": os.getpid(), "setup_s": round(time.perf_counter() - start, 3), **worker.figures()}
+    ready.conn.send(
+        {
+            "pid": os.getpid(),
+            "spawn_imports_s": round(spawn_imports_s, 3),
+            "setup_s": round(time.perf_counter() - start, 3),
+            **worker.figures(),
+        }
     )
-    ready.close()
+    ready.conn.close()
     worker.run()

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from srt import Engine
+from srt.batch_layout import ForwardMode
 from srt.managers.io_struct import BatchPlan
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_executor.graph_runner import EagerRunner
 from srt.model_executor.model_runner import ModelRunner
 

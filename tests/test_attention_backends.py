@@ -20,14 +20,10 @@ import numpy as np
 import pytest
 import torch
 
+from srt.batch_layout import ForwardMode
 from srt.layers.attention.base import create_attention_backend
 from srt.layers.attention.torch_native import TorchNativeBackend
-from srt.model_executor.forward_batch import (
-    ForwardBatch,
-    ForwardMode,
-    forward_batch_from_host,
-    pad_tokens,
-)
+from srt.model_executor.forward_batch import ForwardBatch, forward_batch_from_host, pad_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 

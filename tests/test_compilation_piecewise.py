@@ -23,12 +23,12 @@ from compile_helpers import (
 from torch import fx, nn
 
 from srt import Engine
+from srt.batch_layout import ForwardMode
 from srt.compilation.cache import CacheFactors, CompileCache, collect_factors
 from srt.compilation.dispatch import BucketDispatcher
 from srt.compilation.errors import GraphBreakError, ShapeSpecializationError
 from srt.compilation.piecewise_model import PiecewiseModel
 from srt.compilation.split import split_graph
-from srt.model_executor.forward_batch import ForwardMode
 
 Factory = Callable[..., Path]
 

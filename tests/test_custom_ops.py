@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from srt.batch_layout import ForwardMode
 from srt.compilation.custom_ops import opcheck, split_ops
 from srt.layers.attention.base import create_attention_backend
 from srt.layers.attention.layer import attention_op
 from srt.model_executor.forward_batch import (
     ForwardBatch,
-    ForwardMode,
     forward_batch_from_host,
     forward_context,
     pad_tokens,

@@ -18,8 +18,9 @@ from graph_emulation import EmulatedCapturer
 
 import srt.model_executor.graph_memory as graph_memory
 from srt import Engine
+from srt.batch_layout import ForwardMode
 from srt.compilation.dispatch import BucketDispatcher
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_batch_from_host
+from srt.model_executor.forward_batch import ForwardBatch, forward_batch_from_host
 from srt.model_executor.graph_config import (
     Backend,
     GraphConfigError,

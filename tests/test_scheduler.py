@@ -13,10 +13,10 @@ import random
 import numpy as np
 import pytest
 
+from srt.batch_layout import DUMMY_SLOT
 from srt.managers.io_struct import BatchPlan, BatchResult, GenerateReq
 from srt.managers.scheduler import Scheduler
 from srt.managers.scheduler_process import SchedulerLoop
-from srt.model_executor.kv_cache import DUMMY_SLOT
 from srt.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 

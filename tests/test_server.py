@@ -656,6 +656,39 @@ def test_disconnect_mid_stream_frees_kv(server: ServerProcess) -> None:
     assert server.info()["scheduler"]["kv_slots_used"] == 0
 
 
+def test_startup_breakdown(server: ServerProcess) -> None:
+    info = server.info()
+    procs = info["processes"]
+    parts = {name: list(p["breakdown"]) for name, p in procs.items()}
+    assert parts == {
+        "tokenizer": ["start_s", "imports_s", "app_s", "tokenizer_s", "other_s"],
+        "scheduler": ["spawn_imports_s", "other_s"],
+        "model_runner": [
+            "spawn_imports_s",
+            "load_s",
+            "kv_alloc_s",
+            "dynamo_s",
+            "inductor_s",
+            "warmup_s",
+            "capture_s",
+            "other_s",
+        ],
+    }
+    for name, p in procs.items():
+        assert all(v >= 0 for v in p["breakdown"].values()), (name, p)
+        assert sum(p["breakdown"].values()) == pytest.approx(p["total_s"], abs=0.01), (name, p)
+        assert p["total_s"] <= info["startup_s"], (name, p)
+    # Each child's parts are the ones it reported.
+    runner = procs["model_runner"]
+    assert runner["breakdown"]["load_s"] == info["runner"]["load_s"]
+    assert runner["breakdown"]["kv_alloc_s"] == info["runner"]["kv_alloc_s"]
+    assert runner["breakdown"]["spawn_imports_s"] == runner["spawn_imports_s"] > 0
+    assert procs["tokenizer"]["total_s"] == info["startup_s"]
+    # Spawned before the launcher's own heavy imports, which come after its start.
+    assert runner["spawned_after_s"] <= procs["tokenizer"]["breakdown"]["start_s"]
+    assert procs["tokenizer"]["breakdown"]["tokenizer_s"] > 0
+
+
 def test_server_info_and_metrics(server: ServerProcess) -> None:
     info = server.info()
     assert info["server_args"]["api_key"] == "<redacted>"

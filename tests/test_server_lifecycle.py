@@ -133,6 +133,7 @@ def test_every_endpoint_answers_503_until_ready(tiny_llama: Path) -> None:
 
     try:
         assert asyncio.run(answers(ready=False)) == [503, 503, 503]
+        manager.load_tokenizer()
         manager.mark_ready(64, 64, {"ready_at": time.time()})
         assert asyncio.run(answers(ready=True)) == [200, 200]
     finally:
@@ -173,6 +174,22 @@ def test_child_startup_failure_is_reported(tiny_llama: Path, tmp_path: Path) -> 
         code, _ = _wait_exit(srv, 60)
         assert code == 1
         assert "model_runner failed to start" in srv.log(), srv.log()
+    finally:
+        srv.stop()
+
+
+def test_a_tokenizer_that_cannot_load_stops_the_server(tiny_llama: Path, tmp_path: Path) -> None:
+    # The tokenizer loads while the children start (its files were checked before): a broken
+    # one still ends the server, cleanly, with one error line naming the directory.
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "bad-tokenizer"))
+    (model / "tokenizer.json").write_text("{not json")
+    srv = ServerProcess(["--model-path", str(model)], tmp_path / "server.log")
+    try:
+        code, _ = _wait_exit(srv, 60)
+        assert code == 1, srv.log()
+        errors = [line for line in srv.log().splitlines() if " ERROR " in line]
+        assert len(errors) == 1 and f"cannot load a tokenizer from {model}" in errors[0], errors
+        assert "server stopped (exit code 1)" in srv.log() and "Traceback" not in srv.log()
     finally:
         srv.stop()
 

@@ -68,39 +68,22 @@ def parse_config(text: str) -> tuple[str, list[str]]:
 
 def startup_breakdown(ready_s: float, info: dict[str, Any]) -> dict[str, float | None]:
     """The server's startup figures (from `/get_server_info`) beside the measured ready
-    time: where each second went, per process."""
-    procs = info.get("processes", {})
-    runner, sched = procs.get("model_runner", {}), procs.get("scheduler", {})
-    compile_info = info.get("compile", {})
-    runner_info = info.get("runner", {})
-
-    def diff(a: float | None, *b: float | None) -> float | None:
-        if a is None or any(x is None for x in b):
-            return None
-        return round(a - sum(x for x in b if x is not None), 3)
-
-    setup = runner.get("setup_s")
-    compiled, captured = compile_info.get("total_s", 0.0), runner_info.get("capture_s", 0.0)
-    return {
+    time: where each second went, per process (`{process}_{part}`, as each process's
+    `breakdown` gives them, with its `total_s` and `ready_after_s`)."""
+    startup_s = info.get("startup_s")
+    out: dict[str, float | None] = {
         "launch_to_ready_s": round(ready_s, 3),
-        "server_startup_s": info.get("startup_s"),
-        # Before the launcher's clock starts: its interpreter and imports.
-        "launcher_before_start_s": diff(ready_s, info.get("startup_s")),
-        "runner_ready_after_s": runner.get("ready_after_s"),
-        "runner_spawn_imports_s": diff(runner.get("ready_after_s"), setup),
-        "runner_setup_s": setup,
-        "runner_load_s": runner_info.get("load_s"),
-        "runner_dynamo_s": compile_info.get("dynamo_s"),
-        "runner_inductor_s": compile_info.get("compile_s"),
-        "runner_kv_alloc_s": runner_info.get("kv_alloc_s"),
-        "runner_upfront_capture_s": captured,
-        "runner_other_setup_s": diff(
-            setup, runner_info.get("load_s"), runner_info.get("kv_alloc_s", 0.0), compiled, captured
-        ),
-        "scheduler_ready_after_s": sched.get("ready_after_s"),
-        "scheduler_spawn_imports_s": diff(sched.get("ready_after_s"), sched.get("setup_s")),
-        "scheduler_setup_s": sched.get("setup_s"),
+        "server_startup_s": startup_s,
+        # Before the launcher's clock starts: its interpreter and first imports.
+        "launcher_before_start_s": None if startup_s is None else round(ready_s - startup_s, 3),
     }
+    for name, proc in info.get("processes", {}).items():
+        for key in ("ready_after_s", "total_s"):
+            if key in proc:
+                out[f"{name}_{key}"] = proc[key]
+        for part, seconds in (proc.get("breakdown") or {}).items():
+            out[f"{name}_{part}"] = seconds
+    return out
 
 
 def median_ms(values_s: list[float]) -> float | None:
@@ -316,9 +299,9 @@ TABLE = [
     ("config", "config"),
     ("cache", "cache"),
     ("ready s", "ready_s"),
-    ("load s", "runner_load_s"),
+    ("load s", "model_runner_load_s"),
     ("compile s", "compile_total_s"),
-    ("upfront capture s", "runner_upfront_capture_s"),
+    ("upfront capture s", "model_runner_capture_s"),
     ("TTFT 1st ms", "ttft_first_ms"),
     ("TTFT later ms", "ttft_later_ms"),
     ("worst new-bucket excess ms", "worst_excess_ms"),

@@ -359,10 +359,9 @@ def main(argv: list[str] | None = None) -> None:
         if ns.model_shape:
             rows = bench(ns, write_model_shape(ns.model_shape, Path(tmp)), random_weights=True)
         else:
-            from srt.engine import resolve_model_path
-            from srt.server_args import ServerArgs
+            from srt.model_config import resolve_model_path
 
-            path = resolve_model_path(ServerArgs(model_path=ns.model_path))
+            path = resolve_model_path(ns.model_path)
             rows = bench(ns, Path(path), random_weights=False)
     if ns.result_file:
         append_jsonl(ns.result_file, rows)

@@ -31,11 +31,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from srt.batch_layout import ForwardMode
 from srt.bench.report import append_jsonl, format_table, machine
-from srt.engine import resolve_model_path
 from srt.managers.io_struct import BatchPlan
-from srt.model_config import ModelConfig
-from srt.model_executor.forward_batch import ForwardMode
+from srt.model_config import ModelConfig, resolve_model_path
 from srt.model_executor.graph_config import Phase
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
@@ -318,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
             args.model_path = str(write_model_shape(ns.model_shape, Path(tmp)))
             args.load_format = "dummy"
         else:
-            args.model_path = resolve_model_path(args)  # default: the built-in tiny model
+            # default: the built-in tiny model
+            args.model_path = resolve_model_path(args.model_path)
         rows = bench(
             args, ns.batch_size, ns.input_len, ns.output_len, ns.runs, ns.model_shape, ns.profile
         )

@@ -3,6 +3,7 @@
 - `custom_ops`: `register_custom_op`, `register_split_op`, `custom_ops()`, `split_ops()`,
   `inductor_trace()`.
 - `piecewise_model`: `PiecewiseModel`, the forward traced once and run with no guards.
+- `compile_info`: the server info's `compile` section, light to import.
 - `backend`: the torch.compile backend Dynamo hands the traced graph to.
 - `split`: the split at split ops and the piece signatures (identical pieces share).
 - `piece_compiler`: a piece compiled once for the general shape, `eager` or `inductor`.

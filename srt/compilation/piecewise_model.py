@@ -164,19 +164,3 @@ class PiecewiseModel:
             "traces": self.backend.traces,
             "pieces": self.backend.pieces_info,
         }
-
-
-def compile_info(model: PiecewiseModel | None) -> dict[str, Any]:
-    """The `compile` section of the server info (zeros when no phase compiles)."""
-    if model is not None:
-        return model.info()
-    return {
-        "split_ops": split_ops(),
-        "num_pieces": 0,
-        "num_split_regions": 0,
-        "dynamo_s": 0.0,
-        "compile_s": 0.0,
-        "total_s": 0.0,
-        "cache_dir": None,
-        "cache_hit": None,
-    }

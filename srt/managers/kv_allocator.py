@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from srt.model_executor.kv_cache import DUMMY_SLOT
+from srt.batch_layout import DUMMY_SLOT
 
 
 class TokenSlotAllocator:

@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from srt.batch_layout import ForwardMode
 from srt.managers.frontend import RequestLimits, check_seq
 from srt.managers.io_struct import BatchPlan, BatchResult, GenerateReq, TokenOutput
 from srt.managers.kv_allocator import RequestRowPool, TokenSlotAllocator
 from srt.managers.prefix_cache import PrefixCache
-from srt.model_executor.forward_batch import ForwardMode
 from srt.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 

@@ -9,7 +9,6 @@ be admitted, for whatever reason, is finished with an error; the others carry on
 from __future__ import annotations
 
 import logging
-from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
@@ -27,7 +26,7 @@ from srt.managers.io_struct import (
 from srt.managers.ipc import Endpoints, bind_pull, connect_push, recv, send
 from srt.managers.scheduler import Scheduler
 from srt.model_config import ModelConfig
-from srt.process import run_child
+from srt.process import ReadyPipe, run_child
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -110,5 +109,5 @@ class SchedulerLoop:
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 
 
-def run_scheduler_process(args: ServerArgs, endpoints: Endpoints, ready: Connection) -> None:
+def run_scheduler_process(args: ServerArgs, endpoints: Endpoints, ready: ReadyPipe) -> None:
     run_child("scheduler", args.log_level, ready, lambda: SchedulerLoop(args, endpoints))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -31,12 +32,35 @@ def check_tokenizer_files(path: str | Path) -> None:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    from transformers import AutoTokenizer
-
     try:
+        if _names_plain_fast_tokenizer(Path(path)):
+            # What AutoTokenizer would pick, without its import of every model config, which
+            # imports torch (seconds, in a process that has no other use for it).
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many types for a bad directory
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+def _names_plain_fast_tokenizer(path: Path) -> bool:
+    """Whether the directory's tokenizer is a plain `PreTrainedTokenizerFast` (as Llama 3's
+    are): its tokenizer_config.json names that class and no remote code."""
+    config = path / "tokenizer_config.json"
+    if not (config.is_file() and (path / "tokenizer.json").is_file()):
+        return False
+    try:
+        cfg = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False  # AutoTokenizer reports it
+    return (
+        isinstance(cfg, dict)
+        and cfg.get("tokenizer_class") == "PreTrainedTokenizerFast"
+        and "auto_map" not in cfg
+    )
 
 
 class StopStringMatcher:

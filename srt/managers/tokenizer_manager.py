@@ -56,7 +56,7 @@ class TokenizerManager:
         self.model_config = model_config
         assert args.model_path is not None, "the launcher resolves model_path"
         self.model_name = args.served_model_name or args.model_path
-        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        self.tokenizer: Any = None  # `load_tokenizer`, before the server is marked ready
         self.metrics = ServerMetrics()
         # Set once every child is ready (the runner decides the KV size and context length).
         self.ready = False
@@ -78,7 +78,15 @@ class TokenizerManager:
         self.flush_waiters: deque[asyncio.Future[bool]] = deque()
         self.info_ids = itertools.count()
 
+    def load_tokenizer(self) -> None:
+        """Load the tokenizer (seconds, with transformers' import): the launcher does it while
+        the server already answers, 503 until ready."""
+        path = self.args.tokenizer_path or self.args.model_path
+        assert path is not None, "the launcher resolves model_path"
+        self.tokenizer = load_tokenizer(path)
+
     def mark_ready(self, context_length: int, kv_capacity: int, startup: dict[str, Any]) -> None:
+        assert self.tokenizer is not None, "load_tokenizer comes first"
         self.context_length, self.kv_capacity, self.startup = context_length, kv_capacity, startup
         self.frontend = RequestFrontend(
             self.tokenizer, RequestLimits(self.model_config.vocab_size, context_length, kv_capacity)

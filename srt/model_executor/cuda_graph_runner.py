@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from srt.compilation.custom_ops import inductor_trace
 from srt.compilation.dispatch import BucketDispatcher
-from srt.compilation.piecewise_model import PiecewiseModel
 from srt.model_executor.forward_batch import ForwardBatch, forward_context
 from srt.model_executor.graph_config import Backend, GraphConfigError, Phase, PhaseConfig
 from srt.model_executor.graph_memory import CaptureSession, Graph
@@ -42,10 +41,13 @@ from srt.model_executor.graph_runner import (
     BucketRunner,
     PhaseRunner,
     RunnerEnv,
+    compiled_logits,
     logits_of,
     phase_mode,
 )
-from srt.model_executor.piecewise_runner import compiled_logits, shared_piecewise_model
+
+if TYPE_CHECKING:  # imported with the compiler, only when a phase compiles
+    from srt.compilation.piecewise_model import PiecewiseModel
 
 # Every compiled bucket is one Dynamo cache entry of the same code; the default limit (8)
 # would fall back to eager after the 8th bucket.
@@ -71,6 +73,8 @@ class FullGraphRunner(BucketRunner):
         # its general pieces (the capture is of the whole forward, not per piece).
         self.general: tuple[PiecewiseModel, BucketDispatcher] | None = None
         if config.tc_compiler is not None:
+            from srt.model_executor.piecewise_runner import shared_piecewise_model
+
             model = shared_piecewise_model(env)
             self.general = (model, BucketDispatcher(model.general(config.tc_compiler)))
 

@@ -8,7 +8,6 @@ is read by the attention op from the current `ForwardBatch`, set around each for
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,13 +16,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from srt.batch_layout import ForwardMode
+
 if TYPE_CHECKING:
     from srt.layers.attention.base import AttentionBackend
-
-
-class ForwardMode(enum.IntEnum):
-    EXTEND = 0  # prefill, or prefill on top of a cached prefix (chunked prefill, prefix hits)
-    DECODE = 1  # one new token per request
 
 
 @dataclass

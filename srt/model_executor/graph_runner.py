@@ -25,13 +25,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_context
+from srt.batch_layout import ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, forward_context
 from srt.model_executor.graph_config import Backend, Phase, PhaseConfig
 from srt.model_executor.graph_memory import Captured, CaptureSession, GraphPool
 from srt.model_executor.static_batch import StaticBatch, dummy_batch
 
 if TYPE_CHECKING:
     from srt.compilation.cache import CompileCache
+    from srt.compilation.dispatch import BucketDispatcher
     from srt.compilation.piecewise_model import PiecewiseModel
     from srt.layers.attention.base import AttentionBackend
     from srt.models.llama import LlamaForCausalLM
@@ -66,6 +68,25 @@ def last_token_logits(
 ) -> torch.Tensor:
     """Logits [B, V] from the hidden states of every token: each request's last one."""
     return model.compute_logits(hidden[extend_start_loc.long() + extend_lens.long() - 1])
+
+
+def compiled_logits(
+    compiled: PiecewiseModel,
+    env: RunnerEnv,
+    batch: ForwardBatch,
+    dispatcher: BucketDispatcher,
+    bucket: int | None,
+) -> torch.Tensor:
+    """Logits [B, V] of `batch` (its attention metadata set) through the compiled graph, each
+    piece routed to `dispatcher` for `bucket` (None: the general pieces)."""
+    if batch.padded_tokens > compiled.max_tokens:
+        raise ValueError(
+            f"a batch of {batch.padded_tokens} tokens exceeds the {compiled.max_tokens} the "
+            "graph was compiled for (--max-prefill-tokens)"
+        )
+    with forward_context(batch):
+        hidden = compiled(batch.input_ids, batch.positions, dispatcher, bucket)
+    return last_token_logits(env.model, hidden, batch.extend_start_loc, batch.extend_lens)
 
 
 def phase_mode(phase: Phase) -> ForwardMode:

@@ -1,6 +1,7 @@
 """The paged KV cache tensors (one K and one V pool per layer, token granularity).
 
-Slot 0 is the dummy slot: padded tokens write their K and V there, and no request reads it.
+Slot `DUMMY_SLOT` (in `srt.batch_layout`) is reserved: padded tokens write their K and V there,
+and no request reads it.
 """
 
 from __future__ import annotations
@@ -8,8 +9,6 @@ from __future__ import annotations
 import torch
 
 from srt.model_config import ModelConfig
-
-DUMMY_SLOT = 0
 
 
 def kv_bytes_per_token(config: ModelConfig) -> int:

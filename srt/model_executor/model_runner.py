@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
+from srt.batch_layout import ForwardMode
 from srt.compilation.cache import CompileCache, collect_factors, default_cache_root
+from srt.compilation.compile_info import compile_info
 from srt.compilation.custom_ops import split_ops
-from srt.compilation.piecewise_model import compile_info
 from srt.layers.attention.base import attention_backend_class
 from srt.layers.custom_op import (
     OpImpl,
@@ -27,12 +28,7 @@ from srt.layers.sampler import SamplingBatch, logprobs_of, sample
 from srt.managers.io_struct import BatchPlan, BatchResult
 from srt.model_config import ModelConfig
 from srt.model_executor.cuda_graph_runner import init_attention_graph_state
-from srt.model_executor.forward_batch import (
-    ForwardBatch,
-    ForwardMode,
-    forward_batch_from_host,
-    to_device_packed,
-)
+from srt.model_executor.forward_batch import ForwardBatch, forward_batch_from_host, to_device_packed
 from srt.model_executor.graph_config import Backend, resolve_graph_config
 from srt.model_executor.graph_memory import GraphPool
 from srt.model_executor.graph_runner import RunnerEnv, create_phase_runner, phase_mode

@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
+from srt.batch_layout import ForwardMode
 from srt.compilation.backend import MIN_TOKENS
 from srt.compilation.dispatch import BucketDispatcher
 from srt.compilation.piecewise_model import PiecewiseModel
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_context, pad_tokens
+from srt.model_executor.forward_batch import ForwardBatch, forward_context, pad_tokens
 from srt.model_executor.graph_config import Backend, Phase, PhaseConfig
-from srt.model_executor.graph_runner import RunnerEnv, last_token_logits, phase_mode
+from srt.model_executor.graph_runner import RunnerEnv, compiled_logits, phase_mode
 from srt.model_executor.piece_capture import PieceGraphs
 from srt.model_executor.static_batch import dummy_batch
 
@@ -59,25 +60,6 @@ def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
         model.trace(batch.input_ids, batch.positions)
     env.piecewise = model
     return model
-
-
-def compiled_logits(
-    compiled: PiecewiseModel,
-    env: RunnerEnv,
-    batch: ForwardBatch,
-    dispatcher: BucketDispatcher,
-    bucket: int | None,
-) -> torch.Tensor:
-    """Logits [B, V] of `batch` (its attention metadata set) through the compiled graph, each
-    piece routed to `dispatcher` for `bucket` (None: the general pieces)."""
-    if batch.padded_tokens > compiled.max_tokens:
-        raise ValueError(
-            f"a batch of {batch.padded_tokens} tokens exceeds the {compiled.max_tokens} the "
-            "graph was compiled for (--max-prefill-tokens)"
-        )
-    with forward_context(batch):
-        hidden = compiled(batch.input_ids, batch.positions, dispatcher, bucket)
-    return last_token_logits(env.model, hidden, batch.extend_start_loc, batch.extend_lens)
 
 
 class PiecewiseRunner:

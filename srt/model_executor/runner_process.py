@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
@@ -12,7 +11,7 @@ from srt.managers.io_struct import BatchPlan, InfoReq, RunnerReady
 from srt.managers.ipc import Endpoints, bind_pull, connect_push, recv, send
 from srt.model_config import ModelConfig
 from srt.model_executor.model_runner import ModelRunner
-from srt.process import run_child
+from srt.process import ReadyPipe, run_child
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -42,5 +41,5 @@ class RunnerLoop:
                 raise TypeError(f"model runner got an unexpected message {type(msg).__name__}")
 
 
-def run_runner_process(args: ServerArgs, endpoints: Endpoints, ready: Connection) -> None:
+def run_runner_process(args: ServerArgs, endpoints: Endpoints, ready: ReadyPipe) -> None:
     run_child("model_runner", args.log_level, ready, lambda: RunnerLoop(args, endpoints))

@@ -13,9 +13,9 @@ import dataclasses
 import numpy as np
 import torch
 
+from srt.batch_layout import DUMMY_SLOT, ForwardMode
 from srt.layers.attention.base import AttentionBackend
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_batch_from_host
-from srt.model_executor.kv_cache import DUMMY_SLOT
+from srt.model_executor.forward_batch import ForwardBatch, forward_batch_from_host
 
 
 class StaticBatch:

@@ -37,6 +37,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from srt.batch_layout import ForwardMode
 from srt.compilation.backend import MIN_TOKENS
 from srt.compilation.cache import CompileCache, collect_factors
 from srt.compilation.dispatch import BucketDispatcher, PieceFn
@@ -44,8 +45,8 @@ from srt.compilation.piece_compiler import aot_eager
 from srt.compilation.piecewise_model import PiecewiseModel
 from srt.compilation.split import SplitGraph
 from srt.managers.io_struct import BatchPlan
-from srt.model_config import ModelConfig
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, forward_context
+from srt.model_config import ModelConfig, resolve_model_path
+from srt.model_executor.forward_batch import ForwardBatch, forward_context
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs, ServerArgsError
 
@@ -490,9 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         disable_cuda_graph=True,
         max_total_tokens=ns.batch_size * (ns.prompt_len + 1) + 1,
     )
-    from srt.engine import resolve_model_path
-
-    args.model_path = resolve_model_path(args)
+    args.model_path = resolve_model_path(args.model_path)
     try:
         args.check()
     except ServerArgsError as e:

@@ -21,9 +21,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
+from srt.model_config import DTYPE_NAMES
 
+# torch and transformers are imported only where a model is made, so that finding the default
+# model (as the server's launcher does before it starts anything) stays light.
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 ARCHITECTURES = {
@@ -31,7 +34,6 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 
@@ -300,12 +302,13 @@ def make_tiny_model(
     smaller than ``vocab_size``. The output is a pure function of the arguments (the same seed
     gives the same bytes). Returns ``path``.
     """
+    import torch
     import transformers
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHITECTURES)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_NAMES)}")
     if num_shards < 1:
         raise ValueError("num_shards must be >= 1")
     path = Path(path)
@@ -336,7 +339,7 @@ def make_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, ARCHITECTURES[arch])(config)
-    model = model.to(DTYPES[dtype])
+    model = model.to(getattr(torch, dtype))
     model.generation_config = transformers.GenerationConfig(**ids)
 
     shard_size = _max_shard_size(model, num_shards) if num_shards > 1 else "1000GB"
@@ -392,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-shards", type=int, default=1)
     parser.add_argument("--tie-word-embeddings", action="store_true")
     parser.add_argument("--rope-scaling", choices=["llama3"], default=None)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="float32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     path = make_tiny_model(

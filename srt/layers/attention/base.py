@@ -6,7 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.batch_layout import ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from srt.batch_layout import DUMMY_SLOT, ForwardMode
 from srt.layers.attention.base import AttentionBackend
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from srt.model_executor.kv_cache import DUMMY_SLOT
+from srt.model_executor.forward_batch import ForwardBatch
 
 try:
     import flashinfer

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from srt.batch_layout import ForwardMode
 from srt.layers.attention.base import AttentionBackend
 from srt.layers.attention.triton_ops.decode_attention import (
     decode_attention,
@@ -31,7 +32,7 @@ from srt.layers.attention.triton_ops.extend_attention import (
     extend_tiles,
     max_extend_tiles,
 )
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch
 
 NUM_FIELDS = 5  # table row, seq len, prefix len, extend len, first token
 

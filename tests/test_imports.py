@@ -1,0 +1,92 @@
+"""What each process imports: `import srt` and the scheduler process stay torch-free.
+
+Each check runs in a fresh interpreter, since this one has long imported torch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "srt.models", "srt.model_executor", "srt.layers")
+
+
+def imported_after(module: str, then: str = "") -> list[str]:
+    """Every module loaded by importing `module` (and running `then`) in a fresh interpreter."""
+    code = f"import json, sys\nimport {module}\n{then}\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout)
+
+
+def heavy(modules: list[str], banned: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if any(m == b or m.startswith(b + ".") for b in banned)]
+
+
+def test_import_srt_is_light() -> None:
+    modules = imported_after("srt")
+    assert "srt" in modules
+    assert heavy(modules, HEAVY) == []
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "srt.managers.scheduler_process",
+        "srt.managers.frontend",
+        "srt.sampling_params",
+        "srt.batch_layout",
+        "srt.model_config",
+        "srt.launch_server",
+    ],
+)
+def test_torch_free_module(module: str) -> None:
+    modules = imported_after(module)
+    assert module in modules
+    assert heavy(modules, HEAVY) == []
+
+
+def test_launcher_entry_skips_the_web_stack() -> None:
+    # The launcher binds its port and spawns the children before paying for these.
+    modules = imported_after("srt.launch_server")
+    assert heavy(modules, ("fastapi", "uvicorn", "starlette", "pydantic")) == []
+
+
+def test_a_plain_fast_tokenizer_loads_without_torch(tiny_llama: Path) -> None:
+    # The tiny llama's tokenizer_config names PreTrainedTokenizerFast, as Llama 3's do.
+    then = f"srt.managers.tokenizer.load_tokenizer({str(tiny_llama)!r})"
+    modules = imported_after("srt.managers.tokenizer", then)
+    assert "transformers" in modules and heavy(modules, ("torch",)) == []
+
+
+def test_the_shortcut_loads_what_auto_tokenizer_does(tiny_llama: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from srt.managers.tokenizer import load_tokenizer
+
+    ours, auto = load_tokenizer(tiny_llama), AutoTokenizer.from_pretrained(str(tiny_llama))
+    assert type(ours) is type(auto)
+    chat = [{"role": "user", "content": "hello"}]
+    for tok in (ours, auto):
+        assert tok.encode("the lighthouse") == auto.encode("the lighthouse")
+        assert tok.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(
+            chat, tokenize=False
+        )
+        assert tok.eos_token_id == auto.eos_token_id and tok.get_vocab() == auto.get_vocab()
+
+
+def test_the_runner_skips_the_compiler_until_a_phase_compiles() -> None:
+    # sympy comes with Dynamo's shape machinery: a quarter of a second of the runner's start.
+    modules = imported_after("srt.model_executor.runner_process")
+    assert heavy(modules, ("sympy", "torch._dynamo", "srt.compilation.piecewise_model")) == []
+
+
+def test_check_sees_torch() -> None:
+    # The check itself can fail: the runner's modules do import torch.
+    assert "torch" in imported_after("srt.model_executor.runner_process")
