@@ -3,6 +3,7 @@ log after it: the warm-up changes nothing serving sees, and compiles after ready
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import pytest
 import torch
 from graph_emulation import EmulatedCapturer
 
+import srt.model_executor.cuda_graph_runner as cuda_graph_runner
 import srt.model_executor.graph_memory as graph_memory
 from srt import Engine
 from srt.model_executor.forward_batch import ForwardMode
@@ -202,3 +204,33 @@ def test_engine_info_has_the_miss_log(tiny_llama: Path, tmp_path: Path) -> None:
         eng.generate(input_ids=PROMPTS[0], sampling_params=PARAMS[0])
         misses = eng.get_server_info()["runner"]["jit_misses"]
         assert misses == {"count": 0, "listed": []}  # the CPU eager path compiles nothing
+
+
+def test_enable_torch_compile_first_bucket_hit_is_a_miss(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--enable-torch-compile` compiles a `full` bucket on its first hit: after ready, so it
+    is a miss, named with the step it happened in; later hits compile nothing. (Dynamo with the
+    eager backend stands in for Inductor, to keep the test fast; the callbacks are the same.)"""
+    capturer = EmulatedCapturer()
+    monkeypatch.setattr(graph_memory, "default_capturer", lambda device: capturer)
+    eager_compile = functools.partial(torch.compile, backend="eager")
+    monkeypatch.setattr(cuda_graph_runner.torch, "compile", eager_compile)
+    with make_engine(
+        tiny_llama,
+        tmp_path,
+        cuda_graph_backend_decode="full",
+        cuda_graph_bs_decode=[4],
+        enable_torch_compile=True,
+    ) as eng:
+        assert eng.get_server_info()["runner"]["jit_misses"]["count"] == 0
+        # Decode batches of 3, 2 and 1 requests, all in bucket 4.
+        lengths = [{**PARAMS[0], "max_new_tokens": n} for n in (3, 5, 8)]
+        eng.generate(input_ids=PROMPTS, sampling_params=lengths)
+        info = eng.get_server_info()
+    assert info["graphs"]["decode"]["buckets"][0]["replays"] == 7
+    misses = info["runner"]["jit_misses"]
+    assert misses["count"] == 1, misses
+    (miss,) = misses["listed"]
+    assert miss["what"].startswith("torch.compile") and miss["ms"] > 0
+    assert miss["during"] == "decode step of 3 request(s), 3 token(s)"
