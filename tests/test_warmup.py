@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -112,20 +113,29 @@ def test_warmup_captures_nothing_and_marks_no_bucket(
         assert not eng.runner.compile_cache.manifest.buckets
 
 
-def test_tc_piecewise_warmup_runs_the_general_graph_only(tiny_llama: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["tc_piecewise", "full"])
+def test_compiled_phases_warm_up_on_the_general_graph_only(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """tc_piecewise, and full over the compiled general graph: the warm-up runs the general
+    graph without moving any bucket, its general_runs count or the manifest."""
+    capturer = EmulatedCapturer()
+    monkeypatch.setattr(graph_memory, "default_capturer", lambda device: capturer)
     with make_engine(
         tiny_llama,
         tmp_path,
-        cuda_graph_backend_decode="tc_piecewise",
-        cuda_graph_backend_prefill="tc_piecewise",
+        cuda_graph_backend_decode=backend,
+        cuda_graph_backend_prefill=backend,
+        cuda_graph_tc_compiler="eager",
         cuda_graph_bs_decode=[1, 2],
         cuda_graph_bs_prefill=[16, 32],
     ) as eng:
         assert dummy_slot_written(eng)
+        assert capturer.sessions == capturer.warmups == 0
         graphs = eng.get_server_info()["graphs"]
         for phase in ("decode", "prefill"):
             assert {b["state"] for b in graphs[phase]["buckets"]} == {"unseen"}
-            assert graphs[phase]["general_runs"] == 0
+            assert graphs[phase]["general_runs"] == graphs[phase].get("uncaptured_runs", 0) == 0
         assert not eng.runner.compile_cache.manifest.buckets
 
 
@@ -206,8 +216,16 @@ def test_engine_info_has_the_miss_log(tiny_llama: Path, tmp_path: Path) -> None:
         assert misses == {"count": 0, "listed": []}  # the CPU eager path compiles nothing
 
 
+@pytest.fixture
+def dynamo_reset_after() -> Iterator[None]:
+    """Dynamo state is per code object: what a test compiled (or, having run compiled code
+    under the emulated capture's dispatch mode, left to run eagerly) must not reach the next."""
+    yield
+    torch._dynamo.reset()
+
+
 def test_enable_torch_compile_first_bucket_hit_is_a_miss(
-    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dynamo_reset_after: None
 ) -> None:
     """`--enable-torch-compile` compiles a `full` bucket on its first hit: after ready, so it
     is a miss, named with the step it happened in; later hits compile nothing. (Dynamo with the
