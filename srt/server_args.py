@@ -107,6 +107,11 @@ class ServerArgs:
         "(e.g. none +rms_norm, or all,-rotary_embedding). Default: kernels, but the PyTorch "
         "reference inside graphs Inductor compiles (docs/compilation.md lists the ops).",
     )
+    skip_warmup: bool = _opt(
+        False,
+        "Skip the model runner's warm-up before ready (a dummy prefill and decode step with "
+        "sampling, which JIT-compiles kernels); the first requests then pay those compiles.",
+    )
 
     # Server
     host: str = _opt("127.0.0.1", "HTTP host.")

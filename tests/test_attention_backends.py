@@ -320,3 +320,28 @@ def test_triton_kernels_under_interpreter() -> None:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+def test_triton_metadata_rows_start_16_byte_aligned(mode: ForwardMode) -> None:
+    """Triton compiles a kernel variant per pattern of 16-byte-aligned pointer arguments: with
+    every metadata row aligned, batches of any request and tile count share the variant that
+    the warm-up compiled."""
+    pytest.importorskip("triton")
+    world = World.create(2, 64, torch.float16, "cpu")
+    backend = create_attention_backend("triton", 8, 2, 64)
+    backend.init_graph_state(8, max_tokens=512)
+    lens = [(0, 1), (3, 70), (9, 130), (0, 5), (64, 1), (1, 200), (7, 9)]
+    for n in range(1, len(lens) + 1):
+        specs = [(p + e - 1, 1) for p, e in lens[:n]] if mode == ForwardMode.DECODE else lens[:n]
+        batch, *_ = make_batch(world, mode, specs, 8, sum(e for _, e in specs) + n % 3)
+        for init in (
+            backend.init_forward_metadata,
+            lambda b: backend.init_forward_metadata_replay(b, b.padded_tokens),
+        ):
+            init(batch)
+            step = backend.step
+            base = step.fields.untyped_storage().data_ptr()
+            rows = [*step.fields, *step.tiles]
+            assert all((row.data_ptr() - base) % 16 == 0 for row in rows), (n, init)
+            assert [row.is_contiguous() for row in rows] == [True] * len(rows)

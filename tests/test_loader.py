@@ -207,6 +207,15 @@ def test_sharded_equals_single_file(tiny_model_factory, tiny_llama: Path) -> Non
     assert all(torch.equal(single[k], sharded[k]) for k in single)
 
 
+@pytest.mark.gpu
+def test_weights_load_straight_to_the_gpu(tiny_model_factory) -> None:
+    path = tiny_model_factory("llama", num_shards=3)
+    on_cpu = state(load(path))
+    model = load_model(ModelConfig.from_path(path), torch.device("cuda"))
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    assert all(torch.equal(v.cpu(), on_cpu[k]) for k, v in model.state_dict().items())
+
+
 def test_tied_embeddings_share_one_tensor(tiny_model_factory) -> None:
     model = load(tiny_model_factory("llama", tie_word_embeddings=True))
     assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -94,6 +94,14 @@ class FullGraphRunner(BucketRunner):
         assert logits is not None, "the phase has a tc compiler"
         return logits
 
+    def run_general(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.general is None:
+            return super().run_general(batch)
+        # Through a dispatcher of its own: `general_runs` counts serving's forwards only.
+        model, dispatcher = self.general
+        batch.attn_backend.init_forward_metadata(batch)
+        return compiled_logits(model, self.env, batch, BucketDispatcher(dispatcher.general), None)
+
     def _forward(self, padded: ForwardBatch, bucket: int) -> torch.Tensor:
         logits = self._compiled_general(padded)
         if logits is not None:

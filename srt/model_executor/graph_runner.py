@@ -1,8 +1,10 @@
 """Per-phase forward runners: how a phase (prefill, decode) turns a batch into logits.
 
 Every runner has `run(batch) -> logits [B, V]` (valid until the runner's next run),
-`prewarm(buckets)` (specialise those buckets now: `upfront` / `manifest` capture) and
-`info()`. `create_phase_runner` picks the class for a phase's backend:
+`run_general(batch)` (the same logits through the uncaptured, unspecialised path, moving no
+bucket state, counter or manifest entry: the warm-up before ready runs it), `prewarm(buckets)`
+(specialise those buckets now: `upfront` / `manifest` capture) and `info()`.
+`create_phase_runner` picks the class for a phase's backend:
 
 - `disabled`: `EagerRunner`, also the uncaptured path every other backend falls back to;
 - `full`: `cuda_graph_runner.FullGraphRunner`;
@@ -118,6 +120,8 @@ class PhaseRunner(Protocol):
 
     def run(self, batch: ForwardBatch) -> torch.Tensor: ...
 
+    def run_general(self, batch: ForwardBatch) -> torch.Tensor: ...
+
     def prewarm(self, buckets: list[int]) -> None: ...
 
     def info(self) -> dict[str, Any]: ...
@@ -136,6 +140,8 @@ class EagerRunner:
         batch.attn_backend.init_forward_metadata(batch)
         with forward_context(batch):
             return forward_logits(self.model, batch)
+
+    run_general = run  # the eager forward is the general path
 
     def prewarm(self, buckets: list[int]) -> None:
         """Nothing to specialise: the eager forward serves every shape."""
@@ -214,6 +220,9 @@ class BucketRunner(ABC):
 
     def run_uncaptured(self, batch: ForwardBatch) -> torch.Tensor:
         self.uncaptured_runs += 1
+        return self.run_general(batch)
+
+    def run_general(self, batch: ForwardBatch) -> torch.Tensor:
         return self.eager.run(batch)
 
     def prewarm(self, buckets: list[int]) -> None:

@@ -36,7 +36,10 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif load_format == "auto":
-        load_weights(model, config.path)
+        load_weights(model, config.path, device)
+        if device.type == "cuda":
+            # Return the freed checkpoint tensors' blocks: KV sizing reads the free memory.
+            torch.cuda.empty_cache()
     else:
         raise ValueError(f"--load-format: unknown format {load_format!r}; use auto or dummy")
     return model.eval()
@@ -84,21 +87,25 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+def iter_checkpoint(path: Path, device: torch.device) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """Every tensor of the checkpoint, on `device` (safetensors copies it there from the
+    memory-mapped shard), one at a time."""
     for file in safetensors_files(path):
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                     yield file, name, f.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read weights from {file}: {e}") from e
 
 
-def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+def load_weights(model: LlamaForCausalLM, path: Path, device: torch.device) -> None:
+    """Fill the parameters (on `device`) from the checkpoint at `path`; ModelLoadError, naming
+    the file and tensor, for a tensor without a parameter, a shape mismatch or a gap."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
-    for file, name, tensor in iter_checkpoint(path):
+    for file, name, tensor in iter_checkpoint(path, device):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:

@@ -32,8 +32,10 @@ from srt.model_executor.forward_batch import ForwardBatch, forward_batch_from_ho
 from srt.model_executor.graph_config import Backend, resolve_graph_config
 from srt.model_executor.graph_memory import GraphPool
 from srt.model_executor.graph_runner import RunnerEnv, create_phase_runner, phase_mode
+from srt.model_executor.jit_misses import JitMissLog
 from srt.model_executor.kv_cache import KVCache, kv_bytes_per_token
 from srt.model_executor.model_loader import load_model
+from srt.model_executor.warmup import WARMUP_ROW, warmup_plans
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -103,7 +105,11 @@ class ModelRunner:
         init_attention_graph_state(self.phase_runners.values(), env)
         self.piecewise = env.piecewise  # the tc_piecewise phases' compiled model, if any
         logger.info("split ops: %s", ", ".join(split_ops()))
+        self.warmup_s = 0.0 if args.skip_warmup else self._warm_up()
         self.capture_s = self._prewarm()
+        # Ready from here on: a JIT compile now is one the first requests wait for.
+        self.jit_misses = JitMissLog()
+        self.jit_misses.arm()
 
     def _select_custom_ops(self) -> dict[str, OpImpl]:
         missing = kernels_missing(self.device.type)
@@ -150,6 +156,30 @@ class ModelRunner:
             self.req_to_token,
             self.attn_backend,
         )
+
+    def _warm_up(self) -> float:
+        """Run the `warmup` plans through each phase's general path, so that what compiles on
+        first use compiles now; serving sees no state of it (the table row is restored, KV
+        went to the dummy slot, random state is forked). Returns the seconds it took."""
+        start = time.perf_counter()
+        plans = warmup_plans(self.context_length)
+        row = self.req_to_token[WARMUP_ROW].clone()
+        with (
+            torch.inference_mode(),
+            torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []),
+        ):
+            for plan in plans:
+                batch = self.make_forward_batch(plan)
+                self.sample(plan, batch, self.phase_runners[batch.mode].run_general(batch))
+            self.req_to_token[WARMUP_ROW].copy_(row)
+        seconds = time.perf_counter() - start  # `sample` waited for the device (.cpu())
+        logger.info(
+            "warm-up: %d dummy steps (prefill over a prefix, decode, sampling, logprobs) in "
+            "%.2f s (--skip-warmup skips it)",
+            len(plans),
+            seconds,
+        )
+        return seconds
 
     def _prewarm(self) -> float:
         """Capture before serving: every bucket (`upfront`) or those the manifest recorded
@@ -202,7 +232,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> BatchResult:
         batch = self.make_forward_batch(plan)
-        logits = self.forward_logits(batch)
+        self.jit_misses.step = batch.mode, batch.batch_size, batch.num_tokens
+        return self.sample(plan, batch, self.forward_logits(batch))
+
+    def sample(self, plan: BatchPlan, batch: ForwardBatch, logits: torch.Tensor) -> BatchResult:
+        """Each request's next token from `logits` [B, V], with the logprobs the plan asks for."""
         temperatures, top_ps, min_ps = to_device_packed(
             [plan.temperatures, plan.top_ps, plan.min_ps], self.device, torch.float32
         )
@@ -231,7 +265,9 @@ class ModelRunner:
             "context_length": self.context_length,
             "load_s": round(self.load_s, 3),
             "kv_alloc_s": round(self.kv_alloc_s, 3),
+            "warmup_s": round(self.warmup_s, 3),
             "capture_s": round(self.capture_s, 3),
+            "jit_misses": self.jit_misses.info(),
             "graph_pool": self.graph_pool.info(),
             "compile": compile_info(self.piecewise),
             "custom_ops": custom_ops_info(self.custom_ops),

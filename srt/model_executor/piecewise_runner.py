@@ -81,13 +81,20 @@ class PiecewiseRunner:
         bucket = self.config.bucket_for(batch.num_tokens)
         if bucket is not None:
             self.compiled.cache.manifest.record(self.phase.value, bucket)
-        return self._forward(batch, bucket)
+        return self._forward(batch, bucket, self.dispatcher)
 
-    def _forward(self, batch: ForwardBatch, bucket: int | None) -> torch.Tensor:
+    def run_general(self, batch: ForwardBatch) -> torch.Tensor:
+        """The general graph, unpadded, through a dispatcher of its own: no bucket state or
+        run count of the phase moves."""
+        return self._forward(batch, None, BucketDispatcher(self.dispatcher.general))
+
+    def _forward(
+        self, batch: ForwardBatch, bucket: int | None, dispatcher: BucketDispatcher
+    ) -> torch.Tensor:
         if bucket is not None:
             batch = pad_tokens(batch, bucket)
         batch.attn_backend.init_forward_metadata(batch)
-        return compiled_logits(self.compiled, self.env, batch, self.dispatcher, bucket)
+        return compiled_logits(self.compiled, self.env, batch, dispatcher, bucket)
 
     def prewarm(self, buckets: list[int]) -> None:
         """Specialise `buckets` now with dummy batches: a warm-up hit, then the specialising
@@ -95,7 +102,7 @@ class PiecewiseRunner:
         for bucket in sorted(set(buckets) & set(self.config.bs), reverse=True):
             batch = dummy_batch(self.mode, bucket, self.env.req_to_token, self.env.attn_backend)
             for _ in range(2):
-                self._forward(batch, bucket)
+                self._forward(batch, bucket, self.dispatcher)
 
     def info(self) -> dict[str, Any]:
         stats = self.dispatcher.bucket_stats()

@@ -35,6 +35,15 @@ from srt.layers.attention.triton_ops.extend_attention import (
 from srt.model_executor.forward_batch import ForwardBatch
 
 NUM_FIELDS = 5  # table row, seq len, prefix len, extend len, first token
+# Every row of the metadata starts on a 16-byte boundary (a multiple of 4 int32s): Triton
+# compiles a kernel variant per pattern of 16-byte-aligned pointer arguments, so rows that fell
+# differently with the request and tile counts would compile new variants while serving.
+ROW_ALIGN = 4
+
+
+def aligned(n: int) -> int:
+    """`n` ints rounded up to a whole number of 16-byte units."""
+    return -(-n // ROW_ALIGN) * ROW_ALIGN
 
 
 @dataclass
@@ -49,7 +58,7 @@ class StepLayout:
 
     @property
     def num_ints(self) -> int:
-        return NUM_FIELDS * self.num_reqs + 2 * self.num_tiles
+        return NUM_FIELDS * aligned(self.num_reqs) + 2 * aligned(self.num_tiles)
 
     def scratch_numel(self, num_heads: int, head_dim: int) -> int:
         return self.num_tokens * num_heads * self.num_splits * (head_dim + 1)
@@ -59,21 +68,22 @@ class StepLayout:
 class StepMetadata:
     layout: StepLayout
     out_cache_loc: torch.Tensor  # [T] int64
-    fields: torch.Tensor  # [NUM_FIELDS, R] int32
-    tiles: torch.Tensor  # [2, N] int32
+    fields: torch.Tensor  # [NUM_FIELDS, R] int32, rows `aligned(R)` apart
+    tiles: torch.Tensor  # [2, N] int32, rows `aligned(N)` apart
     part_out: torch.Tensor  # [T, Hq, S, D] float32 (decode)
     part_lse: torch.Tensor  # [T, Hq, S] float32 (decode)
 
 
 def plan_step(batch: ForwardBatch, layout: StepLayout) -> np.ndarray:
-    """The step's int32 metadata, flattened: [NUM_FIELDS, R] per-request fields, [2, N] tiles."""
+    """The step's int32 metadata, flattened: [NUM_FIELDS, R] per-request fields, then [2, N]
+    tiles, each row padded with zeros to `aligned` length."""
     bs, n = batch.batch_size, batch.num_tokens
     if bs + (not layout.decode) > layout.num_reqs or n > layout.num_tokens:
         raise ValueError(
             f"batch of {bs} requests and {n} tokens does not fit the {layout.num_reqs} "
             f"requests and {layout.num_tokens} tokens reserved for it"
         )
-    fields = np.zeros((NUM_FIELDS, layout.num_reqs), dtype=np.int32)
+    fields = np.zeros((NUM_FIELDS, aligned(layout.num_reqs)), dtype=np.int32)
     fields[0, :bs] = batch.req_pool_indices_cpu
     fields[1, :bs] = batch.seq_lens_cpu
     fields[2, :bs] = batch.prefix_lens_cpu
@@ -85,7 +95,8 @@ def plan_step(batch: ForwardBatch, layout: StepLayout) -> np.ndarray:
     # The padded tail is one more request with no keys: the extend kernel zeroes its rows.
     fields[3, bs] = layout.num_tokens - n
     fields[4, bs] = n
-    tiles = extend_tiles(fields[3], layout.num_tiles)
+    tiles = np.zeros((2, aligned(layout.num_tiles)), dtype=np.int32)
+    tiles[:, : layout.num_tiles] = extend_tiles(fields[3, : layout.num_reqs], layout.num_tiles)
     return np.concatenate([fields.ravel(), tiles.ravel()])
 
 
@@ -129,12 +140,14 @@ class TritonBackend(AttentionBackend):
         scratch: torch.Tensor,
     ) -> StepMetadata:
         r, n = layout.num_reqs, layout.num_tiles
+        row, tile_row = aligned(r), aligned(n)
         t, h, s, d = layout.num_tokens, self.num_heads, layout.num_splits, self.head_dim
+        tiles_at = NUM_FIELDS * row
         return StepMetadata(
             layout=layout,
             out_cache_loc=out_cache_loc,
-            fields=ints[: NUM_FIELDS * r].view(NUM_FIELDS, r),
-            tiles=ints[NUM_FIELDS * r : NUM_FIELDS * r + 2 * n].view(2, n),
+            fields=ints[:tiles_at].view(NUM_FIELDS, row)[:, :r],
+            tiles=ints[tiles_at : tiles_at + 2 * tile_row].view(2, tile_row)[:, :n],
             part_out=scratch[: t * h * s * d].view(t, h, s, d),
             part_lse=scratch[t * h * s * d : t * h * s * (d + 1)].view(t, h, s),
         )

@@ -28,7 +28,13 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+# Triton specialises integer arguments on divisibility by 16; these vary with the split count
+# (`num_decode_splits`, which falls as the batch grows), so specialising on them would compile
+# a new variant for batch sizes the warm-up before ready did not run.
+SPLIT_DEPENDENT = ["stride_pl_req", "stride_pl_head", "num_splits"]
+
+
+@triton.jit(do_not_specialize=SPLIT_DEPENDENT)
 def _decode_split_kernel(
     Q,
     K,
@@ -126,7 +132,7 @@ def _decode_split_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SPLIT_DEPENDENT)
 def _decode_merge_kernel(
     part_out,
     part_lse,

@@ -1,0 +1,149 @@
+"""JIT compiles after the model runner is ready, logged and counted as misses.
+
+A compile after ready is one a request waits for; each is logged with what compiled, how long
+it took and the step it happened in, so that the warm-up or the capture manifest can cover it
+on the next start. The sources:
+
+- Triton's JIT: `triton.knobs.runtime.jit_cache_hook` runs before a kernel specialisation
+  missing from the process's kernel cache is compiled (or loaded from Triton's disk cache),
+  `jit_post_compile_hook` after it; the miss names the kernel and its specialisation.
+- torch.compile: Dynamo's compile start and end callbacks around each frame it compiles, with
+  everything compiled inside (Inductor's code and kernels), e.g. the first hit of a bucket
+  under `--enable-torch-compile`.
+
+A lazy CUDA graph capture is not a miss: it is expected, and logged with its cost where it
+happens; a compile inside it is one. The hooks are process-wide, installed once for each JIT
+the process has imported by ready (`install_hooks`), and report to every armed `JitMissLog`
+alive in the process (one per model runner).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from srt.model_executor.forward_batch import ForwardMode
+
+logger = logging.getLogger(__name__)
+
+MAX_LISTED = 32  # misses kept in the info (the count covers all)
+
+Report = Callable[[str, float], None]
+
+
+class JitMissLog:
+    """The misses of one model runner: a count and the first `MAX_LISTED`."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.listed: list[dict[str, Any]] = []
+        # (mode, requests, tokens) of the step being run, set by the runner for each step.
+        self.step: tuple[ForwardMode, int, int] | None = None
+
+    def arm(self) -> None:
+        """Count compiles from now on (the runner is ready)."""
+        install_hooks()
+        _armed.add(self)
+
+    def record(self, what: str, ms: float) -> None:
+        during = None
+        if self.step is not None:
+            mode, requests, tokens = self.step
+            during = f"{mode.name.lower()} step of {requests} request(s), {tokens} token(s)"
+        self.count += 1
+        if len(self.listed) < MAX_LISTED:
+            self.listed.append({"what": what, "ms": round(ms, 3), "during": during})
+        logger.info("JIT miss after ready: %s took %.1f ms (%s)", what, ms, during or "no step")
+
+    def info(self) -> dict[str, Any]:
+        return {"count": self.count, "listed": list(self.listed)}
+
+
+_armed: weakref.WeakSet[JitMissLog] = weakref.WeakSet()
+_dynamo_hooked = False
+_triton_hooked = False
+
+
+def report_miss(what: str, ms: float) -> None:
+    for log in list(_armed):
+        log.record(what, ms)
+
+
+class CompileTimer:
+    """Start and end callbacks that time each compile by a key and report it as `what`."""
+
+    def __init__(self, report: Report) -> None:
+        self.report = report
+        self.started: dict[str, float] = {}
+
+    def start(self, key: str) -> None:
+        self.started[key] = time.perf_counter()
+
+    def end(self, key: str, what: str) -> None:
+        began = self.started.pop(key, None)
+        if began is not None:
+            self.report(what, (time.perf_counter() - began) * 1000)
+
+
+def install_triton_hooks(runtime: Any, report: Report) -> None:
+    """Time Triton's JIT compiles through `runtime` (`triton.knobs.runtime`), chaining to any
+    hooks already set there. The start hook returns what the one before it returns (a true
+    value would skip the compile)."""
+    timer = CompileTimer(report)
+    before_start, before_end = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+
+    def on_start(**kwargs: Any) -> bool | None:
+        timer.start(kwargs["repr"])
+        return before_start(**kwargs) if before_start is not None else None
+
+    def on_end(**kwargs: Any) -> bool | None:
+        timer.end(kwargs["repr"], f"triton {kwargs['repr']}")
+        return before_end(**kwargs) if before_end is not None else None
+
+    runtime.jit_cache_hook = on_start
+    runtime.jit_post_compile_hook = on_end
+
+
+def install_dynamo_callbacks(report: Report) -> None:
+    """Time each Dynamo compile (and what compiles inside it) by its compile id."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    timer = CompileTimer(report)
+
+    def counted(args: Any) -> bool:
+        # CUDA graph recording (torch.compile's cudagraph trees) is a capture, not a compile.
+        return args.callback_trigger is not CallbackTrigger.CUDAGRAPH_RECORDING
+
+    def on_start(args: Any) -> None:
+        if counted(args):
+            timer.start(args.compile_id)
+
+    def on_end(args: Any) -> None:
+        if counted(args):
+            timer.end(args.compile_id, f"torch.compile (Dynamo compile {args.compile_id})")
+
+    callback_handler.register_start_callback(on_start)
+    callback_handler.register_end_callback(on_end)
+
+
+def install_hooks() -> None:
+    """Hook each JIT this process has imported, once. Importing one only to watch it would
+    cost startup time (Dynamo's import takes a second), and one not imported by ready compiles
+    nothing after it: srt builds its compiled callables, and imports their JITs, at
+    construction."""
+    global _dynamo_hooked, _triton_hooked
+    if not _dynamo_hooked and "torch._dynamo" in sys.modules:
+        _dynamo_hooked = True
+        install_dynamo_callbacks(report_miss)
+    triton = sys.modules.get("triton")
+    if not _triton_hooked and triton is not None:
+        _triton_hooked = True
+        knobs = getattr(triton, "knobs", None)
+        if knobs is None:
+            logger.warning("triton %s has no knobs: its compiles go uncounted", triton.__version__)
+            return
+        install_triton_hooks(knobs.runtime, report_miss)

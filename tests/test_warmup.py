@@ -1,0 +1,254 @@
+"""The warm-up before ready (a dummy step per phase through the general path) and the JIT-miss
+log after it: the warm-up changes nothing serving sees, and compiles after ready are counted."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from graph_emulation import EmulatedCapturer
+
+import srt.model_executor.cuda_graph_runner as cuda_graph_runner
+import srt.model_executor.graph_memory as graph_memory
+from srt import Engine
+from srt.model_executor.forward_batch import ForwardMode
+from srt.model_executor.jit_misses import (
+    MAX_LISTED,
+    JitMissLog,
+    install_triton_hooks,
+    report_miss,
+)
+from srt.model_executor.kv_cache import DUMMY_SLOT
+from srt.model_executor.warmup import warmup_plans
+
+PROMPTS = [[1, 5, 7, 9, 11], [3, 4, 5, 6, 7, 8, 9], [10, 20, 30]]
+PARAMS: list[dict[str, Any]] = [
+    {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+    {"max_new_tokens": 6, "temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 7},
+    {"max_new_tokens": 6, "temperature": 1.1, "min_p": 0.05, "ignore_eos": True},  # unseeded
+]
+
+
+def make_engine(path: Path, tmp_path: Path, **kwargs: Any) -> Engine:
+    return Engine(
+        model_path=str(path), device="cpu", compile_cache_dir=str(tmp_path / "cache"), **kwargs
+    )
+
+
+def kv_outside_the_dummy_slot(eng: Engine) -> torch.Tensor:
+    cache = eng.runner.kv_cache
+    keep = torch.arange(cache.num_slots) != DUMMY_SLOT
+    return torch.stack([t[keep] for t in cache.k + cache.v])
+
+
+def dummy_slot_written(eng: Engine) -> bool:
+    return any(bool(t[DUMMY_SLOT].any()) for t in eng.runner.kv_cache.k)
+
+
+# ---- the warm-up ----------------------------------------------------------------------------
+
+
+def test_warmup_runs_before_ready_and_leaves_no_trace(
+    tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="srt.model_executor.model_runner"):
+        eng = make_engine(tiny_llama, tmp_path)
+    with eng:
+        info = eng.get_server_info()
+        assert info["runner"]["warmup_s"] >= 0
+        assert sum("warm-up: 2 dummy steps" in r.getMessage() for r in caplog.records) == 1
+        assert dummy_slot_written(eng)  # it ran the model, writing KV to the dummy slot only
+        assert not kv_outside_the_dummy_slot(eng).any()
+        assert not eng.runner.req_to_token.any()  # the table row it used is restored
+        sched = info["scheduler"]
+        assert sched["kv_slots_free"] == sched["kv_slots_total"] == eng.runner.num_slots - 1
+
+
+def test_skip_warmup_runs_nothing(
+    tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="srt.model_executor.model_runner"):
+        eng = make_engine(tiny_llama, tmp_path, skip_warmup=True)
+    with eng:
+        assert eng.get_server_info()["runner"]["warmup_s"] == 0
+        assert not any("warm-up" in r.getMessage() for r in caplog.records)
+        assert not dummy_slot_written(eng)
+
+
+def test_ids_are_the_same_with_and_without_warmup(tiny_llama: Path, tmp_path: Path) -> None:
+    runs = []
+    for skip in (True, False):
+        with make_engine(tiny_llama, tmp_path, skip_warmup=skip) as eng:
+            results = eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+            runs.append([r["output_ids"] for r in results])
+    assert runs[0] == runs[1]
+    assert runs[0][1] != runs[0][0]  # the sampled requests did sample
+
+
+def test_warmup_captures_nothing_and_marks_no_bucket(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    capturer = EmulatedCapturer()
+    monkeypatch.setattr(graph_memory, "default_capturer", lambda device: capturer)
+    with make_engine(
+        tiny_llama,
+        tmp_path,
+        cuda_graph_backend_decode="full",
+        cuda_graph_backend_prefill="breakable",
+        cuda_graph_bs_decode=[1, 2],
+        cuda_graph_bs_prefill=[16, 32],
+    ) as eng:
+        assert dummy_slot_written(eng)
+        assert capturer.sessions == capturer.warmups == 0
+        graphs = eng.get_server_info()["graphs"]
+        for phase in ("decode", "prefill"):
+            assert {b["state"] for b in graphs[phase]["buckets"]} == {"unseen"}
+            assert graphs[phase]["uncaptured_runs"] == 0
+        assert not eng.runner.compile_cache.manifest.buckets
+
+
+@pytest.mark.parametrize("backend", ["tc_piecewise", "full"])
+def test_compiled_phases_warm_up_on_the_general_graph_only(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """tc_piecewise, and full over the compiled general graph: the warm-up runs the general
+    graph without moving any bucket, its general_runs count or the manifest."""
+    capturer = EmulatedCapturer()
+    monkeypatch.setattr(graph_memory, "default_capturer", lambda device: capturer)
+    with make_engine(
+        tiny_llama,
+        tmp_path,
+        cuda_graph_backend_decode=backend,
+        cuda_graph_backend_prefill=backend,
+        cuda_graph_tc_compiler="eager",
+        cuda_graph_bs_decode=[1, 2],
+        cuda_graph_bs_prefill=[16, 32],
+    ) as eng:
+        assert dummy_slot_written(eng)
+        assert capturer.sessions == capturer.warmups == 0
+        graphs = eng.get_server_info()["graphs"]
+        for phase in ("decode", "prefill"):
+            assert {b["state"] for b in graphs[phase]["buckets"]} == {"unseen"}
+            assert graphs[phase]["general_runs"] == graphs[phase].get("uncaptured_runs", 0) == 0
+        assert not eng.runner.compile_cache.manifest.buckets
+
+
+@pytest.mark.parametrize("context_length", [1, 2, 5, 4096])
+def test_warmup_plans_fit_the_context(context_length: int) -> None:
+    prefill, decode = warmup_plans(context_length)
+    assert (prefill.forward_mode, decode.forward_mode) == (ForwardMode.EXTEND, ForwardMode.DECODE)
+    for plan in (prefill, decode):
+        seq = int(plan.prefix_lens[0] + plan.extend_lens[0])
+        assert seq <= context_length
+        assert plan.positions.tolist() == list(range(int(plan.prefix_lens[0]), seq))
+        assert set(plan.out_cache_loc.tolist()) == set(plan.table_slots.tolist()) == {DUMMY_SLOT}
+        assert plan.table_cols.tolist() == list(range(seq))
+    assert decode.extend_lens.tolist() == [1]
+    if context_length >= 4:
+        assert prefill.prefix_lens[0] > 0  # the extend kernel runs over a cached prefix
+
+
+# ---- JIT misses after ready -----------------------------------------------------------------
+
+
+def test_a_compile_after_ready_is_a_miss() -> None:
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    log = JitMissLog()
+    before = torch.compile(double, backend="eager")
+    before(torch.ones(3))  # before ready: not a miss
+    log.arm()
+    assert log.count == 0
+    log.step = (ForwardMode.DECODE, 3, 3)
+    after = torch.compile(lambda x: double(x) - 1, backend="eager")
+    after(torch.ones(4))
+    after(torch.ones(4))  # compiled already: no second miss
+    assert log.count == 1
+    (miss,) = log.info()["listed"]
+    assert miss["what"].startswith("torch.compile")
+    assert miss["ms"] > 0
+    assert miss["during"] == "decode step of 3 request(s), 3 token(s)"
+
+
+def test_the_miss_list_is_bounded_and_the_count_is_not() -> None:
+    log = JitMissLog()
+    log.arm()
+    for i in range(MAX_LISTED + 5):
+        report_miss(f"kernel {i}", 1.0)
+    info = log.info()
+    assert info["count"] == MAX_LISTED + 5
+    assert len(info["listed"]) == MAX_LISTED
+    assert info["listed"][0] == {"what": "kernel 0", "ms": 1.0, "during": None}
+
+
+def test_triton_hooks_time_each_compile_and_chain() -> None:
+    """Triton's JIT calls `jit_cache_hook` before a compile (a true return skips it) and
+    `jit_post_compile_hook` after, with keyword arguments; `repr` names the specialisation."""
+    seen: list[str] = []
+    runtime = SimpleNamespace(
+        jit_cache_hook=lambda **kw: seen.append("start") or False,
+        jit_post_compile_hook=lambda **kw: seen.append("end"),
+    )
+    misses: list[tuple[str, float]] = []
+    install_triton_hooks(runtime, lambda what, ms: misses.append((what, ms)))
+    hook_args = {"key": "k", "fn": None, "compile": {}, "is_manual_warmup": False}
+    name = "_decode_split_kernel[num_warps=4](Q: *bf16)"
+    assert not runtime.jit_cache_hook(repr=name, already_compiled=False, **hook_args)
+    runtime.jit_post_compile_hook(repr=name, already_compiled=False, **hook_args)
+    assert seen == ["start", "end"]
+    ((what, ms),) = misses
+    assert what == f"triton {name}" and ms >= 0
+    runtime.jit_post_compile_hook(repr="never started", already_compiled=False, **hook_args)
+    assert len(misses) == 1
+
+
+def test_engine_info_has_the_miss_log(tiny_llama: Path, tmp_path: Path) -> None:
+    with make_engine(tiny_llama, tmp_path) as eng:
+        eng.generate(input_ids=PROMPTS[0], sampling_params=PARAMS[0])
+        misses = eng.get_server_info()["runner"]["jit_misses"]
+        assert misses == {"count": 0, "listed": []}  # the CPU eager path compiles nothing
+
+
+@pytest.fixture
+def dynamo_reset_after() -> Iterator[None]:
+    """Dynamo state is per code object: what a test compiled (or, having run compiled code
+    under the emulated capture's dispatch mode, left to run eagerly) must not reach the next."""
+    yield
+    torch._dynamo.reset()
+
+
+def test_enable_torch_compile_first_bucket_hit_is_a_miss(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dynamo_reset_after: None
+) -> None:
+    """`--enable-torch-compile` compiles a `full` bucket on its first hit: after ready, so it
+    is a miss, named with the step it happened in; later hits compile nothing. (Dynamo with the
+    eager backend stands in for Inductor, to keep the test fast; the callbacks are the same.)"""
+    capturer = EmulatedCapturer()
+    monkeypatch.setattr(graph_memory, "default_capturer", lambda device: capturer)
+    eager_compile = functools.partial(torch.compile, backend="eager")
+    monkeypatch.setattr(cuda_graph_runner.torch, "compile", eager_compile)
+    with make_engine(
+        tiny_llama,
+        tmp_path,
+        cuda_graph_backend_decode="full",
+        cuda_graph_bs_decode=[4],
+        enable_torch_compile=True,
+    ) as eng:
+        assert eng.get_server_info()["runner"]["jit_misses"]["count"] == 0
+        # Decode batches of 3, 2 and 1 requests, all in bucket 4.
+        lengths = [{**PARAMS[0], "max_new_tokens": n} for n in (3, 5, 8)]
+        eng.generate(input_ids=PROMPTS, sampling_params=lengths)
+        info = eng.get_server_info()
+    assert info["graphs"]["decode"]["buckets"][0]["replays"] == 7
+    misses = info["runner"]["jit_misses"]
+    assert misses["count"] == 1, misses
+    (miss,) = misses["listed"]
+    assert miss["what"].startswith("torch.compile") and miss["ms"] > 0
+    assert miss["during"] == "decode step of 3 request(s), 3 token(s)"
