@@ -17,14 +17,13 @@ from graph_emulation import EmulatedCapturer
 import srt.model_executor.cuda_graph_runner as cuda_graph_runner
 import srt.model_executor.graph_memory as graph_memory
 from srt import Engine
-from srt.model_executor.forward_batch import ForwardMode
+from srt.batch_layout import DUMMY_SLOT, ForwardMode
 from srt.model_executor.jit_misses import (
     MAX_LISTED,
     JitMissLog,
     install_triton_hooks,
     report_miss,
 )
-from srt.model_executor.kv_cache import DUMMY_SLOT
 from srt.model_executor.warmup import warmup_plans
 
 PROMPTS = [[1, 5, 7, 9, 11], [3, 4, 5, 6, 7, 8, 9], [10, 20, 30]]

@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from srt.model_executor.forward_batch import ForwardMode
+from srt.batch_layout import ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from srt.batch_layout import DUMMY_SLOT, ForwardMode
 from srt.managers.io_struct import BatchPlan
-from srt.model_executor.forward_batch import ForwardMode
-from srt.model_executor.kv_cache import DUMMY_SLOT
 
 WARMUP_ROW = 0
 WARMUP_PREFIX = 16  # cached tokens before the new ones: more than one KV block of the kernels
