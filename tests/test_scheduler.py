@@ -9,11 +9,12 @@ each request is computable alone.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from srt.managers.io_struct import BatchPlan, BatchResult, GenerateReq
+from srt.managers.io_struct import BatchPlan, BatchResult, GenerateReq, TokenOutput
 from srt.managers.scheduler import Scheduler
 from srt.managers.scheduler_process import SchedulerLoop
 from srt.model_executor.kv_cache import DUMMY_SLOT
@@ -38,25 +39,54 @@ def reference(prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 class FakeRunner:
+    """Runs a plan when it is launched (as the device would, in order) and checks that no
+    plan reuses a KV slot or a table entry that a step still in flight reads."""
+
     def __init__(self, num_slots: int, rows: int, context_length: int) -> None:
         self.kv = np.full((num_slots, 2), -1, dtype=np.int64)  # slot -> (token, position)
         self.table = np.zeros((rows, context_length), dtype=np.int64)
         self.plans: list[BatchPlan] = []
+        self.last_sampled = np.zeros(0, np.int64)
+        # Per step in flight: the KV slots it reads and writes, and the table entries it reads.
+        self.in_flight: dict[int, tuple[set[int], set[tuple[int, int]]]] = {}
 
     def forward(self, plan: BatchPlan) -> BatchResult:
+        return self.launch(plan)()
+
+    def launch(self, plan: BatchPlan) -> Callable[[], BatchResult]:
         self.plans.append(plan)
         assert DUMMY_SLOT not in plan.out_cache_loc
         assert len(set(plan.out_cache_loc.tolist())) == plan.num_tokens
+        for slots, entries in self.in_flight.values():
+            assert not slots & set(plan.out_cache_loc.tolist()), "slot of a step in flight"
+            writes = set(zip(plan.table_rows.tolist(), plan.table_cols.tolist(), strict=True))
+            assert not entries & writes, "table entry of a step in flight"
         self.table[plan.table_rows, plan.table_cols] = plan.table_slots
-        self.kv[plan.out_cache_loc] = np.stack([plan.input_ids, plan.positions], axis=1)
+        ids = plan.input_ids.astype(np.int64)
+        if plan.input_from_prev is not None:
+            src = plan.input_from_prev
+            ids = np.where(src >= 0, self.last_sampled[np.maximum(src, 0)], ids)
+        self.kv[plan.out_cache_loc] = np.stack([ids, plan.positions], axis=1)
         out = []
+        slots, entries = set(plan.out_cache_loc.tolist()), set()
         for row, prefix, extend in zip(
             plan.req_pool_indices, plan.prefix_lens, plan.extend_lens, strict=True
         ):
-            kv = self.kv[self.table[row, : prefix + extend]]
+            read = self.table[row, : prefix + extend]
+            slots |= set(read.tolist())
+            entries |= {(int(row), col) for col in range(prefix + extend)}
+            kv = self.kv[read]
             assert (kv[:, 1] == np.arange(prefix + extend)).all(), "KV read at wrong positions"
             out.append(next_token(kv[:, 0]))
-        return BatchResult(next_token_ids=np.array(out, dtype=np.int64), step=plan.step)
+        self.last_sampled = np.array(out, dtype=np.int64)
+        result = BatchResult(next_token_ids=self.last_sampled, step=plan.step)
+        self.in_flight[plan.step] = (slots, entries)
+
+        def wait() -> BatchResult:
+            del self.in_flight[plan.step]
+            return result
+
+        return wait
 
 
 def make_scheduler(
@@ -73,8 +103,18 @@ def make_scheduler(
     return sched, FakeRunner(num_slots, args.max_running_requests, context_length)
 
 
+def step(sched: Scheduler, runner: FakeRunner, overlap: bool) -> list[TokenOutput]:
+    """One step of the scheduler loop, overlapped or not."""
+    if overlap:
+        return sched.step_overlapped(runner.launch) or []
+    return sched.step(runner.forward)
+
+
 def run_all(
-    sched: Scheduler, runner: FakeRunner, reqs: dict[str, tuple[list[int], dict]]
+    sched: Scheduler,
+    runner: FakeRunner,
+    reqs: dict[str, tuple[list[int], dict]],
+    overlap: bool = False,
 ) -> dict[str, dict]:
     """Submit every request, step until all finish; rid -> {ids, reason, matched, cached}."""
     for rid, (prompt, params) in reqs.items():
@@ -84,7 +124,8 @@ def run_all(
     for _ in range(10_000):
         if not sched.has_work:
             break
-        for out in sched.step(runner.forward):
+        for out in step(sched, runner, overlap):
+            assert out.rid not in done, "an output after the request finished"
             ids[out.rid] += out.new_token_ids
             if out.finished_reason is not None:
                 done[out.rid] = {
@@ -120,9 +161,10 @@ def shared_prefix_workload(n: int, seed: int) -> dict[str, tuple[list[int], dict
     return reqs
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("chunk", [4, 2048])
-def test_outputs_correct_under_kv_pressure(prefix_caching: bool, chunk: int) -> None:
+def test_outputs_correct_under_kv_pressure(prefix_caching: bool, chunk: int, overlap: bool) -> None:
     """A KV pool far smaller than the workload queues requests; all finish, all correct."""
     reqs = shared_prefix_workload(40, seed=1)
     sched, runner = make_scheduler(
@@ -132,7 +174,7 @@ def test_outputs_correct_under_kv_pressure(prefix_caching: bool, chunk: int) -> 
         max_prefill_tokens=48,
         enable_prefix_caching=prefix_caching,
     )
-    done = run_all(sched, runner, reqs)
+    done = run_all(sched, runner, reqs, overlap)
     for rid, (prompt, params) in reqs.items():
         assert done[rid]["ids"] == reference(prompt, params["max_new_tokens"]), rid
         assert done[rid]["reason"] == "length"
@@ -151,12 +193,12 @@ def test_request_waits_until_kv_frees() -> None:
     for rid in "ab":
         sched.add_request(GenerateReq(rid, [1, 2, 3, 4], SamplingParams(max_new_tokens=12)))
     sched.step(runner.forward)
-    assert [r.rid for r in sched.running] == ["a"] and [r.rid for r in sched.waiting] == ["b"]
+    assert list(sched.running) == ["a"] and [r.rid for r in sched.waiting] == ["b"]
     assert sched.info()["queued_requests"] == 1
     while "a" in sched.reqs:
         sched.step(runner.forward)
     sched.step(runner.forward)
-    assert [r.rid for r in sched.running] == ["b"]
+    assert list(sched.running) == ["b"]
 
 
 def test_prefill_and_decode_are_separate_steps() -> None:
@@ -174,7 +216,8 @@ def test_prefill_and_decode_are_separate_steps() -> None:
     assert sched.stats["prefill_steps"] == 1 and sched.stats["decode_steps"] == 2
 
 
-def test_stop_conditions() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_conditions(overlap: bool) -> None:
     prompt = [3, 1, 4, 1, 5]
     full = reference(prompt, 12)
     sched, runner = make_scheduler(enable_prefix_caching=False)
@@ -196,6 +239,7 @@ def test_stop_conditions() -> None:
             "zero": (prompt, {"max_new_tokens": 0}),
             "one": (prompt, {"max_new_tokens": 1, "ignore_eos": True}),
         },
+        overlap,
     )
     assert done["eos"] == {
         "ids": full[: eos_at + 1],
@@ -254,23 +298,60 @@ def test_duplicate_rid_rejected() -> None:
         sched.add_request(GenerateReq("a", [1], SamplingParams(max_new_tokens=1)))
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_abort_frees_everything(prefix_caching: bool) -> None:
+def test_abort_frees_everything(prefix_caching: bool, overlap: bool) -> None:
     sched, runner = make_scheduler(chunked_prefill_size=4, enable_prefix_caching=prefix_caching)
     for rid in "abc":
         sched.add_request(GenerateReq(rid, list(range(1, 11)), SamplingParams(max_new_tokens=8)))
-    sched.step(runner.forward)  # "a" is half prefilled, the others wait
+    step(sched, runner, overlap)  # "a" is half prefilled, the others wait
     assert sched.chunked is not None and sched.chunked.rid == "a"
     out = sched.abort("a")
-    assert out.finished_reason == "abort" and out.rid == "a"
+    assert out is not None and out.finished_reason == "abort" and out.rid == "a"
+    assert sched.abort("a") is None  # once
     for _ in range(4):
-        sched.step(runner.forward)  # "b" is decoding, "c" waits or prefills
+        for out in step(sched, runner, overlap):  # "b" is decoding, "c" waits or prefills
+            assert out.rid != "a"
     for rid in "bc":
-        assert sched.abort(rid).finished_reason == "abort"
+        out = sched.abort(rid)
+        assert out is not None and out.finished_reason == "abort"
     assert sched.abort("nope") is None
+    if overlap:  # the request of the step in flight waits for it to free its slots
+        assert sched.in_flight is not None
+        assert set(sched.reqs) == {r.rid for r in sched.in_flight[0].reqs}
+        assert not sched.flush_cache()
+        assert sched.drain() == []  # its tokens are dropped
     assert_no_leak(sched)
     assert sched.flush_cache()
     assert sched.allocator.available == sched.allocator.capacity
+
+
+def test_overlap_runs_one_extra_step_and_drops_its_token() -> None:
+    """A stop token is only seen once its step is back, when the next step (with the request
+    in it) is already running: that step's token is dropped, its slot freed with the rest."""
+    prompt = [3, 1, 4, 1, 5]
+    full = reference(prompt, 12)
+    stop_at = full.index(full[5])
+    tokens: dict[bool, list[int]] = {}
+    steps: dict[bool, int] = {}
+    for overlap in (False, True):
+        sched, runner = make_scheduler(enable_prefix_caching=False)
+        params = {"max_new_tokens": 12, "ignore_eos": True, "stop_token_ids": [full[5]]}
+        done = run_all(sched, runner, {"r": (prompt, params)}, overlap)
+        tokens[overlap], steps[overlap] = done["r"]["ids"], len(runner.plans)
+        assert_no_leak(sched)
+    assert tokens[False] == tokens[True] == full[: stop_at + 1]
+    assert steps[True] == steps[False] + 1
+
+
+def test_overlap_never_plans_past_max_new_tokens() -> None:
+    sched, runner = make_scheduler(enable_prefix_caching=False)
+    done = run_all(
+        sched, runner, {"r": ([1, 2, 3], {"max_new_tokens": 5, "ignore_eos": True})}, True
+    )
+    assert len(done["r"]["ids"]) == 5
+    assert len(runner.plans) == 5  # a prefill and four decodes, none extra
+    assert_no_leak(sched)
 
 
 def test_flush_cache_refused_while_busy() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import pickle
 import time
 import uuid
 from collections import deque
@@ -32,9 +31,10 @@ from srt.managers.io_struct import (
     GenerateReq,
     InfoOutput,
     InfoReq,
+    StepOutputs,
     TokenOutput,
 )
-from srt.managers.ipc import Endpoints, bind_pull, connect_push, send
+from srt.managers.ipc import Endpoints, bind_pull, connect_push, loads, send
 from srt.managers.metrics import ServerMetrics
 from srt.managers.outputs import SeqDecoder, SeqResult, SeqUpdate
 from srt.managers.tokenizer import load_tokenizer
@@ -110,7 +110,10 @@ class TokenizerManager:
     async def handle_outputs(self) -> None:
         """Route everything the scheduler sends back; runs for the life of the server."""
         while True:
-            for msg in pickle.loads(await self.inbox.recv()):
+            received = loads(await self.inbox.recv_multipart())
+            # A step's outputs come packed in one message; replies come as a list.
+            msgs = received.unpack() if isinstance(received, StepOutputs) else received
+            for msg in msgs:
                 if isinstance(msg, TokenOutput):
                     queue = self.seq_queues.get(msg.rid)
                     if queue is not None:  # else: aborted here, the scheduler's echo

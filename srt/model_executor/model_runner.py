@@ -36,6 +36,37 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_SLOTS = 65536
 
 
+class PendingResult:
+    """A launched step's sampled ids (and logprobs) on their way to the host: copied behind
+    the step, into pinned memory, with an event that says when they are there (on the CPU
+    the copy is the tensor itself, done at once)."""
+
+    def __init__(self, tensors: list[torch.Tensor], step: int) -> None:
+        self.step = step
+        self.event: torch.cuda.Event | None = None
+        if tensors[0].is_cuda:
+            # non_blocking into a new CPU tensor pins it, so the copy is asynchronous.
+            self.host = [t.to("cpu", non_blocking=True) for t in tensors]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensors
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> BatchResult:
+        if self.event is not None:
+            self.event.synchronize()
+        arrays = [t.numpy() for t in self.host]
+        result = BatchResult(next_token_ids=arrays[0], step=self.step)
+        if len(arrays) > 1:
+            result.logprobs = arrays[1]
+        if len(arrays) > 2:
+            result.top_logprob_vals, result.top_logprob_ids = arrays[2], arrays[3]
+        return result
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, config: ModelConfig) -> None:
         self.args = args
@@ -98,6 +129,10 @@ class ModelRunner:
         self.piecewise = env.piecewise  # the tc_piecewise phases' compiled model, if any
         logger.info("split ops: %s", ", ".join(split_ops()))
         self.capture_s = self._prewarm()
+        # The last launched step's sampled ids, which the next decode plan may take its
+        # inputs from (overlap scheduling), and that step's number.
+        self.last_sampled: torch.Tensor | None = None
+        self.last_step = -1
 
     def _kv_slots(self) -> int:
         if self.args.max_total_tokens:
@@ -184,8 +219,19 @@ class ModelRunner:
         return self.phase_runners[batch.mode].run(batch)
 
     @torch.inference_mode()
-    def forward(self, plan: BatchPlan) -> BatchResult:
+    def launch(self, plan: BatchPlan) -> PendingResult:
+        """Start a step; its result is copied to the host behind the step (on CUDA the call
+        returns before the step has run, so the next plan can be launched meanwhile)."""
         batch = self.make_forward_batch(plan)
+        if plan.input_from_prev is not None:
+            # Decode inputs that are the previous step's samples, still on the device.
+            assert self.last_sampled is not None and plan.step == self.last_step + 1, (
+                "a plan takes ids only from the step just before it"
+            )
+            (src,) = to_device_packed([plan.input_from_prev], self.device)
+            batch.input_ids = torch.where(
+                src >= 0, self.last_sampled[src.clamp(min=0)], batch.input_ids
+            )
         logits = self.forward_logits(batch)
         temperatures, top_ps, min_ps = to_device_packed(
             [plan.temperatures, plan.top_ps, plan.min_ps], self.device, torch.float32
@@ -195,15 +241,18 @@ class ModelRunner:
             temperatures, top_ps, top_ks, min_ps, seeds, positions=batch.seq_lens.long()
         )
         next_ids = sample(logits, sampling, all_greedy=not plan.temperatures.any())
-        result = BatchResult(next_token_ids=next_ids.cpu().numpy(), step=plan.step)
+        self.last_sampled, self.last_step = next_ids, plan.step
+        outputs = [next_ids]
         if plan.return_logprob:
             chosen, top = logprobs_of(logits, next_ids, plan.top_logprobs_num)
-            result.logprobs = chosen.cpu().numpy()
+            outputs.append(chosen)
             if top is not None:
-                top_vals, top_ids = top
-                result.top_logprob_vals = top_vals.cpu().numpy()
-                result.top_logprob_ids = top_ids.cpu().numpy()
-        return result
+                outputs += top
+        return PendingResult(outputs, plan.step)
+
+    def forward(self, plan: BatchPlan) -> BatchResult:
+        """Run a step and wait for its result."""
+        return self.launch(plan).wait()
 
     def info(self) -> dict[str, Any]:
         return {

@@ -1,4 +1,9 @@
-"""The model-runner process: receives batch plans, runs `ModelRunner.forward`, sends results."""
+"""The model-runner process: receives batch plans, runs them, sends results, in order.
+
+A step's result is sent once its ids are on the host; a plan that arrives while they are on
+their way is launched first (overlap scheduling: the device never waits for the host's
+round trip). Info requests are answered after every result before them.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import zmq
 from srt.managers.io_struct import BatchPlan, InfoReq, RunnerReady
 from srt.managers.ipc import Endpoints, bind_pull, connect_push, recv, send
 from srt.model_config import ModelConfig
-from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.model_runner import ModelRunner, PendingResult
 from srt.process import run_child
 from srt.server_args import ServerArgs
 
@@ -32,11 +37,27 @@ class RunnerLoop:
         return {"info": self.runner.info()}
 
     def run(self) -> None:
+        pending: PendingResult | None = None  # launched, result not sent yet
         while True:
-            msg = recv(self.inbox)
+            if pending is None:
+                msg = recv(self.inbox)
+            else:
+                try:
+                    msg = recv(self.inbox, zmq.NOBLOCK)
+                except zmq.Again:
+                    if pending.ready():
+                        send(self.results, pending.wait())
+                        pending = None
+                    continue
             if isinstance(msg, BatchPlan):
-                send(self.results, self.runner.forward(msg))
+                launched = self.runner.launch(msg)
+                if pending is not None:
+                    send(self.results, pending.wait())
+                pending = launched
             elif isinstance(msg, InfoReq):
+                if pending is not None:
+                    send(self.results, pending.wait())
+                    pending = None
                 send(self.results, self.runner.info())
             else:
                 raise TypeError(f"model runner got an unexpected message {type(msg).__name__}")
