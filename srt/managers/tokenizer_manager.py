@@ -36,7 +36,7 @@ from srt.managers.io_struct import (
 )
 from srt.managers.ipc import Endpoints, bind_pull, connect_push, loads, send
 from srt.managers.metrics import ServerMetrics
-from srt.managers.outputs import SeqDecoder, SeqResult, SeqUpdate
+from srt.managers.outputs import SeqDecoder, SeqResult, SeqUpdate, coalesce
 from srt.managers.tokenizer import load_tokenizer
 from srt.model_config import ModelConfig
 from srt.server_args import ServerArgs
@@ -182,27 +182,33 @@ class TokenizerManager:
             self.metrics.prompt_tokens.inc(len(seq.input_ids))
         try:
             while pending:
-                out = await queue.get()
-                if out.rid not in pending:
-                    continue  # a step that was under way when a stop string ended it
-                if out.error is not None:  # the backend died, or the scheduler refused it
-                    raise ServerNotReady(out.error) if self.failure else InvalidRequest(out.error)
-                update, abort = decoders[out.rid].update(out)
-                now = time.perf_counter()
-                if update.token_ids:
-                    self.metrics.observe_tokens(
-                        len(update.token_ids),
-                        now - last_seen.get(out.rid, arrival),
-                        first=out.rid not in last_seen,
-                    )
-                    last_seen[out.rid] = now
-                if update.finish_reason is not None:
-                    pending.discard(out.rid)
-                    self.seq_queues.pop(out.rid, None)
-                    self.metrics.observe_finish(update.finish_reason, now - arrival)
-                    if abort:  # a stop string: the scheduler, seeing only ids, runs it still
-                        send(self.to_scheduler, AbortReq(out.rid))
-                yield update
+                # Everything that has arrived, one update per sequence.
+                arrived = [await queue.get()]
+                while not queue.empty():
+                    arrived.append(queue.get_nowait())
+                for out in coalesce(arrived):
+                    if out.rid not in pending:
+                        continue  # a step that was under way when a stop string ended it
+                    if out.error is not None:  # the backend died, or the scheduler refused it
+                        if self.failure:
+                            raise ServerNotReady(out.error)
+                        raise InvalidRequest(out.error)
+                    update, abort = decoders[out.rid].update(out)
+                    now = time.perf_counter()
+                    if update.token_ids:
+                        self.metrics.observe_tokens(
+                            len(update.token_ids),
+                            now - last_seen.get(out.rid, arrival),
+                            first=out.rid not in last_seen,
+                        )
+                        last_seen[out.rid] = now
+                    if update.finish_reason is not None:
+                        pending.discard(out.rid)
+                        self.seq_queues.pop(out.rid, None)
+                        self.metrics.observe_finish(update.finish_reason, now - arrival)
+                        if abort:  # a stop string: the scheduler, seeing only ids, runs it on
+                            send(self.to_scheduler, AbortReq(out.rid))
+                    yield update
         finally:
             for rid in rids:
                 self.seq_queues.pop(rid, None)
