@@ -321,11 +321,10 @@ def test_64_concurrent_streams(server: ServerProcess, model: str) -> None:
     assert after["running_requests"] == after["queued_requests"] == 0
 
 
-def test_overlapped_streams_equal_the_engine(server: ServerProcess, engine: Engine) -> None:
-    """The server schedules overlapped (its default), the Engine one step at a time: streams
-    that start together and stop at different steps (lengths, a stop token, seeded sampling)
-    get the Engine's ids, while other streams are dropped mid-way; every KV slot comes back."""
-    assert server.info()["server_args"]["disable_overlap_schedule"] is False
+def mixed_streams_equal_the_engine(server: ServerProcess, engine: Engine) -> None:
+    """Streams that start together and stop at different steps (lengths, a stop token,
+    seeded sampling) get the Engine's ids (one step at a time, in process), while other
+    streams are dropped mid-way; every KV slot comes back."""
     greedy = {"temperature": 0, "ignore_eos": True}
     probe = engine.generate(input_ids=[5, 6, 7], sampling_params={**greedy, "max_new_tokens": 8})
     stop_token = probe["output_ids"][3]
@@ -371,6 +370,25 @@ def test_overlapped_streams_equal_the_engine(server: ServerProcess, engine: Engi
     assert after["queued_requests"] == 0 and after["kv_slots_used"] == after["kv_slots_cached"]
     assert httpx.post(f"{server.url}/flush_cache", headers=server.headers).json()["success"]
     assert server.info()["scheduler"]["kv_slots_used"] == 0
+
+
+def test_overlapped_streams_equal_the_engine(server: ServerProcess, engine: Engine) -> None:
+    assert server.info()["server_args"]["disable_overlap_schedule"] is False  # the default
+    mixed_streams_equal_the_engine(server, engine)
+
+
+def test_one_step_at_a_time_streams_equal_the_engine(
+    tiny_llama: Path, tmp_path: Path, engine: Engine
+) -> None:
+    srv = ServerProcess(
+        ["--model-path", str(tiny_llama), "--disable-overlap-schedule"], tmp_path / "server.log"
+    )
+    try:
+        srv.wait_ready()
+        assert srv.info()["server_args"]["disable_overlap_schedule"] is True
+        mixed_streams_equal_the_engine(srv, engine)
+    finally:
+        srv.stop()
 
 
 def test_null_means_the_default(server: ServerProcess) -> None:
