@@ -736,6 +736,14 @@ def test_server_info_and_metrics(server: ServerProcess) -> None:
     )
     assert info["runner"]["kv_slots"] == info["scheduler"]["kv_slots_total"]
     assert info["startup_s"] > 0 and Path(info["ipc_dir"]).is_dir()
+    # Where a step's time goes, per process (earlier tests ran steps).
+    assert {"planned_to_sent_ms", "sent_to_received_ms", "period_ms"} <= set(
+        info["scheduler"]["timeline"]
+    )
+    assert {"received_to_launched_ms", "launched_to_result_sent_ms"} <= set(
+        info["runner"]["timeline"]
+    )
+    assert info["tokenizer"]["timeline"]["received_to_routed_ms"] >= 0
 
     text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
     samples = {}

@@ -33,6 +33,7 @@ from srt.managers.io_struct import (
 )
 from srt.managers.ipc import Endpoints, bind_pull, connect_push, recv, send
 from srt.managers.scheduler import Scheduler
+from srt.managers.timeline import StepTimeline
 from srt.model_config import ModelConfig
 from srt.process import run_child
 from srt.server_args import ServerArgs
@@ -63,6 +64,9 @@ class SchedulerLoop:
             eos_token_ids=config.eos_token_ids,
         )
         self.overlap = not args.disable_overlap_schedule
+        # Per loop turn: plan built, sent, the previous (overlap) or this plan's result back,
+        # outputs sent to the tokenizer.
+        self.timeline = StepTimeline(("start", "planned", "sent", "received", "outputs_sent"))
 
     def figures(self) -> dict[str, Any]:
         return {"info": self.scheduler.info()}
@@ -76,12 +80,15 @@ class SchedulerLoop:
                 timeout = None
             if poller.poll(timeout):
                 self._handle_inbox()
+            self.timeline.begin()
             outputs = self._step()
             if outputs is None:
+                self.timeline.discard()
                 timeout = None if not self.scheduler.has_work else _BLOCKED_POLL_MS
                 continue
             timeout = 0
             self._send_outputs(outputs)
+            self.timeline.mark("outputs_sent")
 
     def _step(self) -> list[TokenOutput] | None:
         """One step's outputs; None if no step could be planned and none was in flight."""
@@ -90,12 +97,18 @@ class SchedulerLoop:
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return None
-        send(self.to_runner, scheduled.plan)
-        return self.scheduler.process_result(scheduled, recv(self.results))
+        return self.scheduler.process_result(scheduled, self._launch(scheduled.plan)())
 
     def _launch(self, plan: BatchPlan) -> Callable[[], BatchResult]:
+        self.timeline.mark("planned")
         send(self.to_runner, plan)
-        return lambda: recv(self.results)  # the runner answers in order
+        self.timeline.mark("sent")
+        return self._result
+
+    def _result(self) -> BatchResult:
+        result = recv(self.results)  # the runner answers in order
+        self.timeline.mark("received")
+        return result
 
     def _send_outputs(self, outputs: list[TokenOutput]) -> None:
         if outputs:
@@ -130,7 +143,8 @@ class SchedulerLoop:
             # The runner's reply comes after the result of the step in flight: take it first.
             self._send_outputs(self.scheduler.drain())
             send(self.to_runner, msg)
-            return InfoOutput(msg.req_id, self.scheduler.info(), recv(self.results))
+            info = {**self.scheduler.info(), "timeline": self.timeline.summary()}
+            return InfoOutput(msg.req_id, info, recv(self.results))
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 
 

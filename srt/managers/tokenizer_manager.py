@@ -37,6 +37,7 @@ from srt.managers.io_struct import (
 from srt.managers.ipc import Endpoints, bind_pull, connect_push, loads, send
 from srt.managers.metrics import ServerMetrics
 from srt.managers.outputs import SeqDecoder, SeqResult, SeqUpdate, coalesce
+from srt.managers.timeline import StepTimeline
 from srt.managers.tokenizer import load_tokenizer
 from srt.model_config import ModelConfig
 from srt.server_args import ServerArgs
@@ -77,6 +78,8 @@ class TokenizerManager:
         self.info_waiters: dict[int, asyncio.Future[InfoOutput]] = {}
         self.flush_waiters: deque[asyncio.Future[bool]] = deque()
         self.info_ids = itertools.count()
+        # Per step's outputs: received, routed to the sequences' queues.
+        self.timeline = StepTimeline(("received", "routed"))
 
     def mark_ready(self, context_length: int, kv_capacity: int, startup: dict[str, Any]) -> None:
         self.context_length, self.kv_capacity, self.startup = context_length, kv_capacity, startup
@@ -110,9 +113,15 @@ class TokenizerManager:
     async def handle_outputs(self) -> None:
         """Route everything the scheduler sends back; runs for the life of the server."""
         while True:
-            received = loads(await self.inbox.recv_multipart())
+            frames = await self.inbox.recv_multipart()
+            self.timeline.begin()
+            received = loads(frames)
             # A step's outputs come packed in one message; replies come as a list.
-            msgs = received.unpack() if isinstance(received, StepOutputs) else received
+            if isinstance(received, StepOutputs):
+                msgs: list[Any] = received.unpack()
+            else:
+                self.timeline.discard()
+                msgs = received
             for msg in msgs:
                 if isinstance(msg, TokenOutput):
                     queue = self.seq_queues.get(msg.rid)
@@ -126,6 +135,8 @@ class TokenizerManager:
                     flush_waiter = self.flush_waiters.popleft()
                     if not flush_waiter.done():
                         flush_waiter.set_result(msg.success)
+            if isinstance(received, StepOutputs):
+                self.timeline.mark("routed")
 
     def check_ready(self) -> None:
         if not self.ready:

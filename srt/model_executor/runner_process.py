@@ -15,6 +15,7 @@ import zmq
 
 from srt.managers.io_struct import BatchPlan, InfoReq, RunnerReady
 from srt.managers.ipc import Endpoints, bind_pull, connect_push, recv, send
+from srt.managers.timeline import StepTimeline
 from srt.model_config import ModelConfig
 from srt.model_executor.model_runner import ModelRunner, PendingResult
 from srt.process import run_child
@@ -32,6 +33,12 @@ class RunnerLoop:
         self.inbox = bind_pull(self.ctx, endpoints.runner_inbox)
         self.results = connect_push(self.ctx, endpoints.runner_results)
         send(self.results, RunnerReady(self.runner.num_slots, self.runner.context_length))
+        # Per step: plan received, launched (on CUDA, queued on the device), result sent.
+        self.timeline = StepTimeline(("received", "launched", "result_sent"))
+
+    def _send_result(self, pending: PendingResult) -> None:
+        send(self.results, pending.wait())
+        self.timeline.mark("result_sent", pending.step)
 
     def figures(self) -> dict[str, Any]:
         return {"info": self.runner.info()}
@@ -46,19 +53,21 @@ class RunnerLoop:
                     msg = recv(self.inbox, zmq.NOBLOCK)
                 except zmq.Again:
                     if pending.ready():
-                        send(self.results, pending.wait())
+                        self._send_result(pending)
                         pending = None
                     continue
             if isinstance(msg, BatchPlan):
+                self.timeline.begin(msg.step)
                 launched = self.runner.launch(msg)
+                self.timeline.mark("launched")
                 if pending is not None:
-                    send(self.results, pending.wait())
+                    self._send_result(pending)
                 pending = launched
             elif isinstance(msg, InfoReq):
                 if pending is not None:
-                    send(self.results, pending.wait())
+                    self._send_result(pending)
                     pending = None
-                send(self.results, self.runner.info())
+                send(self.results, {**self.runner.info(), "timeline": self.timeline.summary()})
             else:
                 raise TypeError(f"model runner got an unexpected message {type(msg).__name__}")
 
