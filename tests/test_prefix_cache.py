@@ -37,7 +37,7 @@ def check_accounting(cache: PrefixCache, alloc: TokenSlotAllocator) -> None:
     assert sum(len(n.key) for n in nodes) == cache.size == len(tree_slots)
     assert all(len(n.key) == len(n.slots) for n in nodes)
     assert cache.locked_size == sum(len(n.key) for n in nodes if n.lock_ref > 0)
-    everything = np.concatenate([tree_slots, alloc._free])
+    everything = np.concatenate([tree_slots, alloc._stack[: alloc._top]])
     assert sorted(everything.tolist()) == list(range(1, CAPACITY + 1))
 
 
