@@ -153,7 +153,10 @@ class ModelRunner:
         return slots
 
     def make_forward_batch(self, plan: BatchPlan) -> ForwardBatch:
-        """Copy a plan to the device and apply its request-to-token table writes."""
+        """Copy a plan to the device and apply its request-to-token table writes; decode
+        inputs that are the previous step's samples are taken from the device."""
+        if plan.input_from_prev is not None:
+            assert plan.step == self.last_step + 1, "ids come only from the step just before"
         if len(plan.table_rows):
             rows, cols, slots = to_device_packed(
                 [plan.table_rows, plan.table_cols, plan.table_slots], self.device
@@ -169,6 +172,8 @@ class ModelRunner:
             plan.extend_lens,
             self.req_to_token,
             self.attn_backend,
+            plan.input_from_prev,
+            self.last_sampled,
         )
 
     def _prewarm(self) -> float:
@@ -223,15 +228,6 @@ class ModelRunner:
         """Start a step; its result is copied to the host behind the step (on CUDA the call
         returns before the step has run, so the next plan can be launched meanwhile)."""
         batch = self.make_forward_batch(plan)
-        if plan.input_from_prev is not None:
-            # Decode inputs that are the previous step's samples, still on the device.
-            assert self.last_sampled is not None and plan.step == self.last_step + 1, (
-                "a plan takes ids only from the step just before it"
-            )
-            (src,) = to_device_packed([plan.input_from_prev], self.device)
-            batch.input_ids = torch.where(
-                src >= 0, self.last_sampled[src.clamp(min=0)], batch.input_ids
-            )
         logits = self.forward_logits(batch)
         temperatures, top_ps, min_ps = to_device_packed(
             [plan.temperatures, plan.top_ps, plan.min_ps], self.device, torch.float32

@@ -1,8 +1,9 @@
 """The model-runner process: receives batch plans, runs them, sends results, in order.
 
-A step's result is sent once its ids are on the host; a plan that arrives while they are on
-their way is launched first (overlap scheduling: the device never waits for the host's
-round trip). Info requests are answered after every result before them.
+A step's result is sent once its ids are on the host; a plan that arrives while they are still
+on their way is launched first (overlap scheduling: the device does not wait for the host's
+round trip), and while none arrives the loop polls both. Results go out in step order, and an
+info request is answered after every result before it.
 """
 
 from __future__ import annotations
@@ -46,21 +47,20 @@ class RunnerLoop:
     def run(self) -> None:
         pending: PendingResult | None = None  # launched, result not sent yet
         while True:
-            if pending is None:
-                msg = recv(self.inbox)
-            else:
-                try:
-                    msg = recv(self.inbox, zmq.NOBLOCK)
-                except zmq.Again:
-                    if pending.ready():
-                        self._send_result(pending)
-                        pending = None
-                    continue
+            if pending is not None and not self.inbox.poll(0):
+                if pending.ready():
+                    self._send_result(pending)
+                    pending = None
+                continue
+            msg = recv(self.inbox)
             if isinstance(msg, BatchPlan):
+                if pending is not None and pending.ready():  # always so on the CPU
+                    self._send_result(pending)
+                    pending = None
                 self.timeline.begin(msg.step)
                 launched = self.runner.launch(msg)
                 self.timeline.mark("launched")
-                if pending is not None:
+                if pending is not None:  # still on its way: the device has the next step now
                     self._send_result(pending)
                 pending = launched
             elif isinstance(msg, InfoReq):
