@@ -152,7 +152,9 @@ def test_serving_against_a_running_server(server: ServerProcess, tmp_path: Path,
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             s = run[key]
             assert 0 < s["p50"] <= s["p99"], (key, s)
-        assert run["itl_ms"]["n"] == num * 5  # one event per decode step
+        # One event per decode step, or fewer: a stream that fell behind gets the tokens of
+        # several steps in one event.
+        assert 0 < run["itl_ms"]["n"] <= num * 5
         assert run["ttft_ms"]["p50"] < run["e2e_ms"]["p50"]
     assert capsys.readouterr().out.splitlines()[-4].split()[0] == "conc"
 

@@ -67,8 +67,8 @@ class RequestRecord:
 
     @property
     def itl_s(self) -> list[float]:
-        """Gaps between the events that brought tokens (one per decode step when the server
-        streams every step)."""
+        """Gaps between the events that brought tokens (one per decode step while the
+        server's stream keeps up; one that falls behind sends several steps' tokens at once)."""
         t = self.chunk_times
         return [b - a for a, b in zip(t, t[1:], strict=False)]
 
