@@ -443,13 +443,13 @@ class Scheduler:
         if req.row >= 0:
             self.reserved -= req.future_need
             if self.prefix_cache is not None:
-                # KV holds the tokens [0, kv_len) of prompt and output; past the known tokens
-                # are only those of dropped steps (an abort with steps in flight).
-                known = len(req.input_ids) + len(req.output_ids)
-                computed = min(req.kv_len, known)
-                tokens = (req.input_ids + req.output_ids)[:computed]
-                self.prefix_cache.release(req, tokens, req.slots[:computed])
-                self.allocator.free(req.slots[computed:])
+                # KV holds the tokens [0, kv_len) of prompt and output: every output token but
+                # the last, or the last too if a step that was in flight took it as input. (A
+                # step's input is known before any abort can arrive: aborts are handled between
+                # loop turns, when only the step whose input is the last known token runs.)
+                tokens = (req.input_ids + req.output_ids)[: req.kv_len]
+                assert len(tokens) == req.kv_len == req.num_slots, "KV past the known tokens"
+                self.prefix_cache.release(req, tokens, req.slots)
             else:
                 self.allocator.free(req.slots)
             self.rows.free(req.row)
