@@ -273,8 +273,10 @@ def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys)
         assert all(v is None or v >= 0 for k, v in b.items() if k != "runner_other_setup_s"), b
         assert b["runner_ready_after_s"] <= b["launch_to_ready_s"]
         assert b["runner_kv_alloc_s"] >= 0  # timed by the runner itself
-        assert 0 < r["ttft_first_ms"] < r["t2t_first_ms"]
-        assert 0 < r["ttft_later_ms"] < r["t2t_later_ms"]
+        # The second token may come in the first's event (a stream that fell behind gets
+        # the tokens of several steps at once).
+        assert 0 < r["ttft_first_ms"] <= r["t2t_first_ms"]
+        assert 0 < r["ttft_later_ms"] <= r["t2t_later_ms"]
         assert [x["batch"] for x in r["buckets"]] == [1, 2]
         for x in r["buckets"]:
             assert x["t2t_first_ms"] > 0 and x["t2t_again_ms"] > 0 and x["steady_itl_ms"] > 0
