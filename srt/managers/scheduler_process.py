@@ -5,8 +5,8 @@ With overlap (the default), step N+1 is planned and sent before step N's result 
 the runner always has the next plan when a step ends; with --disable-overlap-schedule each step
 is planned, run and processed in turn. Between steps every message that has arrived is handled,
 and with no work the loop sleeps on its inbox. A step's outputs go to the tokenizer as one
-message. A request that cannot
-be admitted, for whatever reason, is finished with an error; the others carry on.
+message. A request that cannot be admitted, for whatever reason, is finished with an error; the
+others carry on.
 """
 
 from __future__ import annotations
