@@ -52,9 +52,10 @@ def main() -> None:
     plan_ms, process_ms = [], []
     for _ in range(ns.steps):
         start = time.perf_counter()
-        plan, items = sched.schedule()
+        scheduled = sched.schedule()
+        assert scheduled is not None
         planned = time.perf_counter()
-        sched.process_result(items, runner(plan))
+        sched.process_result(scheduled, runner(scheduled.plan))
         plan_ms.append((planned - start) * 1000)
         process_ms.append((time.perf_counter() - planned) * 1000)
     print(

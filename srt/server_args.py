@@ -62,6 +62,9 @@ class ServerArgs:
     chunked_prefill_size: int = _opt(2048, "Max prompt tokens of one request per prefill step.")
     max_prefill_tokens: int = _opt(8192, "Max tokens in one prefill batch.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV of shared prompt prefixes.")
+    disable_overlap_schedule: bool = _opt(
+        False, "Plan each step only once the previous step's ids are back (no overlap)."
+    )
     attention_backend: str | None = _opt(
         None, "torch_native, triton or flashinfer (default: triton on CUDA, torch_native on CPU)."
     )

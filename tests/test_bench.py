@@ -152,8 +152,13 @@ def test_serving_against_a_running_server(server: ServerProcess, tmp_path: Path,
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             s = run[key]
             assert 0 < s["p50"] <= s["p99"], (key, s)
-        assert run["itl_ms"]["n"] == num * 5  # one event per decode step
+        # One event per decode step, or fewer: a stream that fell behind gets the tokens of
+        # several steps in one event.
+        assert 0 < run["itl_ms"]["n"] <= num * 5
         assert run["ttft_ms"]["p50"] < run["e2e_ms"]["p50"]
+        timeline = run["timeline"]  # where the server's step time went, per process
+        assert timeline["scheduler"]["steps"] > 0 and "period_ms" in timeline["runner"]
+        assert "received_to_routed_ms" in timeline["tokenizer"]
     assert capsys.readouterr().out.splitlines()[-4].split()[0] == "conc"
 
 
@@ -272,8 +277,10 @@ def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys)
             assert len(parts) >= 2 and sum(parts) == pytest.approx(b[whole[0]], abs=0.01), b
         assert b["model_runner_ready_after_s"] <= b["launch_to_ready_s"]
         assert b["model_runner_load_s"] >= 0 and "model_runner_kv_alloc_s" in b
-        assert 0 < r["ttft_first_ms"] < r["t2t_first_ms"]
-        assert 0 < r["ttft_later_ms"] < r["t2t_later_ms"]
+        # The second token may come in the first's event (a stream that fell behind gets
+        # the tokens of several steps at once).
+        assert 0 < r["ttft_first_ms"] <= r["t2t_first_ms"]
+        assert 0 < r["ttft_later_ms"] <= r["t2t_later_ms"]
         assert [x["batch"] for x in r["buckets"]] == [1, 2]
         for x in r["buckets"]:
             assert x["t2t_first_ms"] > 0 and x["t2t_again_ms"] > 0 and x["steady_itl_ms"] > 0

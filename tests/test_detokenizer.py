@@ -161,3 +161,24 @@ def test_stop_check_reads_each_character_once(
 def test_load_tokenizer_errors_name_the_directory(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=str(tmp_path)):
         load_tokenizer(tmp_path)
+
+
+class CountingTokenizer:
+    """A tokenizer that records how many ids each decode call was given."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.decoded: list[int] = []
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        self.decoded.append(len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_each_push_decodes_a_window_not_the_whole_output(tokenizer: Any) -> None:
+    ids = tokenizer.encode(UNICODE_TEXT * 4, add_special_tokens=False)
+    counting = CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting, stop=["never appears"])
+    assert "".join(stream(detok, ids)) == UNICODE_TEXT * 4
+    # A window spans the tokens of the last character or two, however long the output.
+    assert max(counting.decoded) <= 16 < len(ids)

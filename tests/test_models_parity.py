@@ -64,7 +64,9 @@ def prefill_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.Tenso
     rids = [f"parity-{i}" for i in range(len(prompts))]
     for rid, ids in zip(rids, prompts, strict=True):
         sched.add_request(GenerateReq(rid, ids, SamplingParams(max_new_tokens=1)))
-    plan, _ = sched.schedule()
+    scheduled = sched.schedule()
+    assert scheduled is not None
+    plan = scheduled.plan
     assert plan.batch_size == len(prompts) and plan.num_tokens == sum(map(len, prompts))
     try:
         batch = runner.make_forward_batch(plan)
@@ -72,8 +74,8 @@ def prefill_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.Tenso
         with torch.inference_mode(), forward_context(batch):
             logits = runner.model.compute_logits(runner.model(batch.input_ids, batch.positions))
     finally:
-        for rid in rids:
-            sched.abort(rid)
+        # The planned step must come back before its requests' slots are freed.
+        sched.process_result(scheduled, runner.forward(plan))
     return list(logits.split(plan.extend_lens.tolist()))
 
 

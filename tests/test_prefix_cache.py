@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+from scheduler_helpers import (
+    assert_no_leak,
+    make_scheduler,
+    reference,
+    shared_prefix_workload,
+    step,
+)
 
+from srt.managers.io_struct import GenerateReq
 from srt.managers.kv_allocator import TokenSlotAllocator
 from srt.managers.prefix_cache import PrefixCache
 from srt.managers.scheduler import Req
@@ -37,7 +46,7 @@ def check_accounting(cache: PrefixCache, alloc: TokenSlotAllocator) -> None:
     assert sum(len(n.key) for n in nodes) == cache.size == len(tree_slots)
     assert all(len(n.key) == len(n.slots) for n in nodes)
     assert cache.locked_size == sum(len(n.key) for n in nodes if n.lock_ref > 0)
-    everything = np.concatenate([tree_slots, alloc._free])
+    everything = np.concatenate([tree_slots, alloc._stack[: alloc._top]])
     assert sorted(everything.tolist()) == list(range(1, CAPACITY + 1))
 
 
@@ -146,3 +155,41 @@ def test_reset_returns_every_slot() -> None:
     cache.reset()
     assert cache.size == 0 and not cache.root.children
     assert alloc.available == CAPACITY
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_accounting_after_a_scheduler_run_with_stops_and_aborts(overlap: bool) -> None:
+    """Requests sharing prefixes end by length, by a stop token (one step later than it is
+    sampled, under overlap) or by an abort while their steps are in flight: each caches what
+    its KV really holds, every slot is once free or in the tree, and the ids are right."""
+    sched, runner = make_scheduler(
+        num_slots=CAPACITY + 1,
+        max_running_requests=8,
+        chunked_prefill_size=4,
+        max_prefill_tokens=24,
+        enable_prefix_caching=True,
+    )
+    reqs = shared_prefix_workload(30, seed=3)
+    want = {
+        rid: reference(prompt, params["max_new_tokens"]) for rid, (prompt, params) in reqs.items()
+    }
+    for i, (rid, (prompt, params)) in enumerate(reqs.items()):
+        if i % 3 == 0 and len(want[rid]) >= 3:
+            params["stop_token_ids"] = [want[rid][2]]
+            want[rid] = want[rid][: want[rid].index(want[rid][2]) + 1]
+        sched.add_request(GenerateReq(rid, prompt, SamplingParams.from_dict(params)))
+    aborted = {rid for i, rid in enumerate(reqs) if i % 5 == 1}
+    got: dict[str, list[int]] = {rid: [] for rid in reqs}
+    while sched.has_work:
+        for out in step(sched, runner, overlap):
+            got[out.rid] += out.new_token_ids
+            if out.rid in aborted and out.finished_reason is None and len(got[out.rid]) >= 2:
+                assert sched.abort(out.rid) is not None
+    for rid in reqs:
+        if rid in aborted:
+            assert got[rid] == want[rid][: len(got[rid])], rid
+        else:
+            assert got[rid] == want[rid], rid
+    assert_no_leak(sched)
+    assert sched.prefix_cache is not None and sched.stats["cached_tokens"] > 0
+    check_accounting(sched.prefix_cache, sched.allocator)

@@ -1,128 +1,28 @@
-"""The scheduler against a fake runner that keeps a real paged 'KV cache' of (token, position).
-
-The fake's next token is a hash of the whole context it reads back through the
-request-to-token table, so a slot shared by two live requests, a slot evicted while in use, a
-wrong table write or a wrong position all show up as a wrong token, and the right answer for
-each request is computable alone.
-"""
+"""The scheduler, one step at a time and overlapped, against the fake runner of
+scheduler_helpers: outputs, KV pressure, stop conditions, aborts, bad requests."""
 
 from __future__ import annotations
 
-import random
-
-import numpy as np
 import pytest
+from scheduler_helpers import (
+    VOCAB,
+    assert_no_leak,
+    make_scheduler,
+    reference,
+    run_all,
+    shared_prefix_workload,
+    step,
+)
 
-from srt.batch_layout import DUMMY_SLOT
-from srt.managers.io_struct import BatchPlan, BatchResult, GenerateReq
-from srt.managers.scheduler import Scheduler
+from srt.managers.io_struct import GenerateReq
 from srt.managers.scheduler_process import SchedulerLoop
 from srt.sampling_params import SamplingParams
-from srt.server_args import ServerArgs
-
-VOCAB = 50
-EOS = 0
 
 
-def next_token(context: np.ndarray) -> int:
-    """The fake model: a deterministic function of every token in the context."""
-    weights = np.arange(1, len(context) + 1, dtype=np.int64) * 7919
-    return int((context.astype(np.int64) * weights).sum() + len(context) * 31) % (VOCAB - 1) + 1
-
-
-def reference(prompt: list[int], max_new_tokens: int) -> list[int]:
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        out.append(next_token(np.array(prompt + out)))
-    return out
-
-
-class FakeRunner:
-    def __init__(self, num_slots: int, rows: int, context_length: int) -> None:
-        self.kv = np.full((num_slots, 2), -1, dtype=np.int64)  # slot -> (token, position)
-        self.table = np.zeros((rows, context_length), dtype=np.int64)
-        self.plans: list[BatchPlan] = []
-
-    def forward(self, plan: BatchPlan) -> BatchResult:
-        self.plans.append(plan)
-        assert DUMMY_SLOT not in plan.out_cache_loc
-        assert len(set(plan.out_cache_loc.tolist())) == plan.num_tokens
-        self.table[plan.table_rows, plan.table_cols] = plan.table_slots
-        self.kv[plan.out_cache_loc] = np.stack([plan.input_ids, plan.positions], axis=1)
-        out = []
-        for row, prefix, extend in zip(
-            plan.req_pool_indices, plan.prefix_lens, plan.extend_lens, strict=True
-        ):
-            kv = self.kv[self.table[row, : prefix + extend]]
-            assert (kv[:, 1] == np.arange(prefix + extend)).all(), "KV read at wrong positions"
-            out.append(next_token(kv[:, 0]))
-        return BatchResult(next_token_ids=np.array(out, dtype=np.int64), step=plan.step)
-
-
-def make_scheduler(
-    num_slots: int = 1024, context_length: int = 256, **kwargs
-) -> tuple[Scheduler, FakeRunner]:
-    args = ServerArgs(**kwargs)
-    sched = Scheduler(
-        args,
-        num_slots=num_slots,
-        context_length=context_length,
-        vocab_size=VOCAB,
-        eos_token_ids=[EOS],
-    )
-    return sched, FakeRunner(num_slots, args.max_running_requests, context_length)
-
-
-def run_all(
-    sched: Scheduler, runner: FakeRunner, reqs: dict[str, tuple[list[int], dict]]
-) -> dict[str, dict]:
-    """Submit every request, step until all finish; rid -> {ids, reason, matched, cached}."""
-    for rid, (prompt, params) in reqs.items():
-        sched.add_request(GenerateReq(rid, prompt, SamplingParams.from_dict(params)))
-    done: dict[str, dict] = {}
-    ids: dict[str, list[int]] = {rid: [] for rid in reqs}
-    for _ in range(10_000):
-        if not sched.has_work:
-            break
-        for out in sched.step(runner.forward):
-            ids[out.rid] += out.new_token_ids
-            if out.finished_reason is not None:
-                done[out.rid] = {
-                    "ids": ids[out.rid],
-                    "reason": out.finished_reason,
-                    "matched": out.matched_stop,
-                    "cached": out.cached_tokens,
-                    "completion_tokens": out.completion_tokens,
-                }
-    assert set(done) == set(reqs)
-    return done
-
-
-def assert_no_leak(sched: Scheduler) -> None:
-    cached = sched.prefix_cache.size if sched.prefix_cache else 0
-    assert sched.allocator.available + cached == sched.allocator.capacity
-    assert sched.rows.available == sched.args.max_running_requests
-    assert not sched.reqs and not sched.running and sched.chunked is None
-    if sched.prefix_cache:
-        assert sched.prefix_cache.locked_size == 0
-
-
-def shared_prefix_workload(n: int, seed: int) -> dict[str, tuple[list[int], dict]]:
-    rng = random.Random(seed)
-    stems = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
-    reqs = {}
-    for i in range(n):
-        tail = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 12))]
-        reqs[f"r{i}"] = (
-            rng.choice(stems) + tail,
-            {"max_new_tokens": rng.randrange(1, 16), "ignore_eos": True},
-        )
-    return reqs
-
-
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("chunk", [4, 2048])
-def test_outputs_correct_under_kv_pressure(prefix_caching: bool, chunk: int) -> None:
+def test_outputs_correct_under_kv_pressure(prefix_caching: bool, chunk: int, overlap: bool) -> None:
     """A KV pool far smaller than the workload queues requests; all finish, all correct."""
     reqs = shared_prefix_workload(40, seed=1)
     sched, runner = make_scheduler(
@@ -132,7 +32,7 @@ def test_outputs_correct_under_kv_pressure(prefix_caching: bool, chunk: int) -> 
         max_prefill_tokens=48,
         enable_prefix_caching=prefix_caching,
     )
-    done = run_all(sched, runner, reqs)
+    done = run_all(sched, runner, reqs, overlap)
     for rid, (prompt, params) in reqs.items():
         assert done[rid]["ids"] == reference(prompt, params["max_new_tokens"]), rid
         assert done[rid]["reason"] == "length"
@@ -151,12 +51,12 @@ def test_request_waits_until_kv_frees() -> None:
     for rid in "ab":
         sched.add_request(GenerateReq(rid, [1, 2, 3, 4], SamplingParams(max_new_tokens=12)))
     sched.step(runner.forward)
-    assert [r.rid for r in sched.running] == ["a"] and [r.rid for r in sched.waiting] == ["b"]
+    assert list(sched.running) == ["a"] and [r.rid for r in sched.waiting] == ["b"]
     assert sched.info()["queued_requests"] == 1
     while "a" in sched.reqs:
         sched.step(runner.forward)
     sched.step(runner.forward)
-    assert [r.rid for r in sched.running] == ["b"]
+    assert list(sched.running) == ["b"]
 
 
 def test_prefill_and_decode_are_separate_steps() -> None:
@@ -174,7 +74,8 @@ def test_prefill_and_decode_are_separate_steps() -> None:
     assert sched.stats["prefill_steps"] == 1 and sched.stats["decode_steps"] == 2
 
 
-def test_stop_conditions() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_conditions(overlap: bool) -> None:
     prompt = [3, 1, 4, 1, 5]
     full = reference(prompt, 12)
     sched, runner = make_scheduler(enable_prefix_caching=False)
@@ -196,6 +97,7 @@ def test_stop_conditions() -> None:
             "zero": (prompt, {"max_new_tokens": 0}),
             "one": (prompt, {"max_new_tokens": 1, "ignore_eos": True}),
         },
+        overlap,
     )
     assert done["eos"] == {
         "ids": full[: eos_at + 1],
@@ -254,23 +156,60 @@ def test_duplicate_rid_rejected() -> None:
         sched.add_request(GenerateReq("a", [1], SamplingParams(max_new_tokens=1)))
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_abort_frees_everything(prefix_caching: bool) -> None:
+def test_abort_frees_everything(prefix_caching: bool, overlap: bool) -> None:
     sched, runner = make_scheduler(chunked_prefill_size=4, enable_prefix_caching=prefix_caching)
     for rid in "abc":
         sched.add_request(GenerateReq(rid, list(range(1, 11)), SamplingParams(max_new_tokens=8)))
-    sched.step(runner.forward)  # "a" is half prefilled, the others wait
+    step(sched, runner, overlap)  # "a" is half prefilled, the others wait
     assert sched.chunked is not None and sched.chunked.rid == "a"
     out = sched.abort("a")
-    assert out.finished_reason == "abort" and out.rid == "a"
+    assert out is not None and out.finished_reason == "abort" and out.rid == "a"
+    assert sched.abort("a") is None  # once
     for _ in range(4):
-        sched.step(runner.forward)  # "b" is decoding, "c" waits or prefills
+        for out in step(sched, runner, overlap):  # "b" is decoding, "c" waits or prefills
+            assert out.rid != "a"
     for rid in "bc":
-        assert sched.abort(rid).finished_reason == "abort"
+        out = sched.abort(rid)
+        assert out is not None and out.finished_reason == "abort"
     assert sched.abort("nope") is None
+    if overlap:  # the request of the step in flight waits for it to free its slots
+        assert sched.in_flight is not None
+        assert set(sched.reqs) == {r.rid for r in sched.in_flight[0].reqs}
+        assert not sched.flush_cache()
+        assert sched.drain() == []  # its tokens are dropped
     assert_no_leak(sched)
     assert sched.flush_cache()
     assert sched.allocator.available == sched.allocator.capacity
+
+
+def test_overlap_runs_one_extra_step_and_drops_its_token() -> None:
+    """A stop token is only seen once its step is back, when the next step (with the request
+    in it) is already running: that step's token is dropped, its slot freed with the rest."""
+    prompt = [3, 1, 4, 1, 5]
+    full = reference(prompt, 12)
+    stop_at = full.index(full[5])
+    tokens: dict[bool, list[int]] = {}
+    steps: dict[bool, int] = {}
+    for overlap in (False, True):
+        sched, runner = make_scheduler(enable_prefix_caching=False)
+        params = {"max_new_tokens": 12, "ignore_eos": True, "stop_token_ids": [full[5]]}
+        done = run_all(sched, runner, {"r": (prompt, params)}, overlap)
+        tokens[overlap], steps[overlap] = done["r"]["ids"], len(runner.plans)
+        assert_no_leak(sched)
+    assert tokens[False] == tokens[True] == full[: stop_at + 1]
+    assert steps[True] == steps[False] + 1
+
+
+def test_overlap_never_plans_past_max_new_tokens() -> None:
+    sched, runner = make_scheduler(enable_prefix_caching=False)
+    done = run_all(
+        sched, runner, {"r": ([1, 2, 3], {"max_new_tokens": 5, "ignore_eos": True})}, True
+    )
+    assert len(done["r"]["ids"]) == 5
+    assert len(runner.plans) == 5  # a prefill and four decodes, none extra
+    assert_no_leak(sched)
 
 
 def test_flush_cache_refused_while_busy() -> None:

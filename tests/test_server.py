@@ -321,6 +321,76 @@ def test_64_concurrent_streams(server: ServerProcess, model: str) -> None:
     assert after["running_requests"] == after["queued_requests"] == 0
 
 
+def mixed_streams_equal_the_engine(server: ServerProcess, engine: Engine) -> None:
+    """Streams that start together and stop at different steps (lengths, a stop token,
+    seeded sampling) get the Engine's ids (one step at a time, in process), while other
+    streams are dropped mid-way; every KV slot comes back."""
+    greedy = {"temperature": 0, "ignore_eos": True}
+    probe = engine.generate(input_ids=[5, 6, 7], sampling_params={**greedy, "max_new_tokens": 8})
+    stop_token = probe["output_ids"][3]
+    jobs = [([5, 6, 7], {**greedy, "max_new_tokens": 8, "stop_token_ids": [stop_token]})]
+    for i in range(11):
+        prompt = [(13 * i + 7 * j) % 400 + 1 for j in range(2 + 5 * i)]
+        params = {**greedy, "max_new_tokens": 3 + 2 * i}
+        if i % 3 == 1:
+            params = {**params, "temperature": 0.9, "top_k": 40, "seed": 1000 + i}
+        jobs.append((prompt, params))
+    want = engine.generate(input_ids=[j[0] for j in jobs], sampling_params=[j[1] for j in jobs])
+    dropped = [[(3 * i + j) % 300 + 1 for j in range(6)] for i in range(4)]
+
+    async def stream(
+        client: httpx.AsyncClient, prompt: list[int], params: dict, drop_after: int | None
+    ) -> dict:
+        body = {"input_ids": prompt, "sampling_params": params, "stream": True}
+        last: dict = {}
+        async with client.stream("POST", f"{server.url}/generate", json=body) as resp:
+            assert resp.status_code == 200
+            events = 0
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    last, events = json.loads(line[6:]), events + 1
+                    if events == drop_after:
+                        break  # the client goes away mid-stream
+        return last
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(headers=server.headers, timeout=120) as client:
+            finished = [stream(client, p, params, None) for p, params in jobs]
+            left = [stream(client, p, {**greedy, "max_new_tokens": 500}, 3) for p in dropped]
+            return await asyncio.gather(*finished, *left)
+
+    got = asyncio.run(run())
+    for i, w in enumerate(want):
+        assert got[i]["output_ids"] == w["output_ids"], i
+        assert got[i]["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"], i
+    assert want[0]["meta_info"]["finish_reason"] == "stop"
+    assert all(len(g["output_ids"]) < 500 for g in got[len(jobs) :])
+    assert _wait_for(lambda: server.info()["scheduler"]["running_requests"] == 0)
+    after = server.info()["scheduler"]
+    assert after["queued_requests"] == 0 and after["kv_slots_used"] == after["kv_slots_cached"]
+    assert httpx.post(f"{server.url}/flush_cache", headers=server.headers).json()["success"]
+    assert server.info()["scheduler"]["kv_slots_used"] == 0
+
+
+def test_overlapped_streams_equal_the_engine(server: ServerProcess, engine: Engine) -> None:
+    assert server.info()["server_args"]["disable_overlap_schedule"] is False  # the default
+    mixed_streams_equal_the_engine(server, engine)
+
+
+def test_one_step_at_a_time_streams_equal_the_engine(
+    tiny_llama: Path, tmp_path: Path, engine: Engine
+) -> None:
+    srv = ServerProcess(
+        ["--model-path", str(tiny_llama), "--disable-overlap-schedule"], tmp_path / "server.log"
+    )
+    try:
+        srv.wait_ready()
+        assert srv.info()["server_args"]["disable_overlap_schedule"] is True
+        mixed_streams_equal_the_engine(srv, engine)
+    finally:
+        srv.stop()
+
+
 def test_null_means_the_default(server: ServerProcess) -> None:
     # As in the OpenAI API: an optional field sent as null is as if not sent.
     plain = post(
@@ -699,6 +769,14 @@ def test_server_info_and_metrics(server: ServerProcess) -> None:
     )
     assert info["runner"]["kv_slots"] == info["scheduler"]["kv_slots_total"]
     assert info["startup_s"] > 0 and Path(info["ipc_dir"]).is_dir()
+    # Where a step's time goes, per process (earlier tests ran steps).
+    assert {"planned_to_sent_ms", "sent_to_received_ms", "period_ms"} <= set(
+        info["scheduler"]["timeline"]
+    )
+    assert {"received_to_launched_ms", "launched_to_result_sent_ms"} <= set(
+        info["runner"]["timeline"]
+    )
+    assert info["tokenizer"]["timeline"]["received_to_routed_ms"] >= 0
 
     text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
     samples = {}

@@ -176,6 +176,16 @@ def test_a_compile_after_ready_is_a_miss() -> None:
     assert miss["during"] == "decode step of 3 request(s), 3 token(s)"
 
 
+def test_arming_after_a_dynamo_reset_hooks_again() -> None:
+    # torch._dynamo.reset() drops every compile callback, ours too.
+    JitMissLog().arm()
+    torch._dynamo.reset()
+    log = JitMissLog()
+    log.arm()
+    torch.compile(lambda x: x * 3, backend="eager")(torch.ones(2))
+    assert log.count == 1
+
+
 def test_the_miss_list_is_bounded_and_the_count_is_not() -> None:
     log = JitMissLog()
     log.arm()

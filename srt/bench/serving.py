@@ -67,8 +67,8 @@ class RequestRecord:
 
     @property
     def itl_s(self) -> list[float]:
-        """Gaps between the events that brought tokens (one per decode step when the server
-        streams every step)."""
+        """Gaps between the events that brought tokens (one per decode step while the
+        server's stream keeps up; one that falls behind sends several steps' tokens at once)."""
         t = self.chunk_times
         return [b - a for a, b in zip(t, t[1:], strict=False)]
 
@@ -215,10 +215,22 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
     }
 
 
-def vocab_size_of(base_url: str, headers: dict[str, str] | None = None) -> int:
+def server_info(base_url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
     resp = httpx.get(f"{base_url}/get_server_info", headers=headers, timeout=30)
     resp.raise_for_status()
-    return int(resp.json()["model"]["vocab_size"])
+    info: dict[str, Any] = resp.json()
+    return info
+
+
+def vocab_size_of(base_url: str, headers: dict[str, str] | None = None) -> int:
+    return int(server_info(base_url, headers)["model"]["vocab_size"])
+
+
+def step_timeline(base_url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """The server's per-step timeline (its last steps: those of the run just done), per
+    process: where a step's time goes."""
+    info = server_info(base_url, headers)
+    return {proc: info[proc].get("timeline") for proc in ("scheduler", "runner", "tokenizer")}
 
 
 TABLE = [
@@ -285,6 +297,7 @@ def bench(
                 "output_len": ns.output_len,
                 "range_ratio": ns.range_ratio,
                 **metrics(records),
+                "timeline": step_timeline(base_url, headers),
             }
         )
     return runs

@@ -46,6 +46,7 @@ def server_router(manager: TokenizerManager) -> APIRouter:
             "graphs": info.runner["graphs"],
             "compile": info.runner["compile"],
             "scheduler": info.scheduler,
+            "tokenizer": {"timeline": manager.timeline.summary()},
         }
 
     @router.get("/metrics")

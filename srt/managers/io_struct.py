@@ -1,4 +1,5 @@
-"""Messages between the processes: small dataclasses, token ids as numpy arrays."""
+"""Messages between the processes: small dataclasses, token ids as numpy arrays; what crosses
+per step (a plan, a result, a step's outputs) is a few arrays, never a Python object per token."""
 
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ class BatchPlan:
     return_logprob: bool = False  # any request of the batch asked for logprobs
     top_logprobs_num: int = 0  # the most any request of the batch asked for
     step: int = 0
+    # [B] int32, decode only: where a request's input id is the token the previous step
+    # sampled for it, its row in that step's result (the id stays on the device); -1 where
+    # the id is in `input_ids`. None: every id is there.
+    input_from_prev: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
@@ -90,6 +95,104 @@ class TokenOutput:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
+
+
+@dataclass
+class StepOutputs:
+    """scheduler -> tokenizer, one per step: every request's `TokenOutput` of the step, packed
+    into arrays (tokens of all requests concatenated, `counts` per request)."""
+
+    rids: list[str]
+    counts: np.ndarray  # [R] int32, new tokens per request
+    token_ids: np.ndarray  # [N] int32
+    finished_reasons: list[str | None]
+    matched_stops: list[int | str | None]
+    lengths: np.ndarray  # [R, 3] int32: prompt, completion and cached tokens
+    logprobs: np.ndarray  # [N] float32, empty when no request of the step asked
+    has_logprobs: np.ndarray  # [R] bool, the requests that asked
+    top_counts: np.ndarray  # [R] int32, top logprobs per token each request asked for
+    top_ids: np.ndarray  # [N, K] int32, K the most any request asked (padded)
+    top_vals: np.ndarray  # [N, K] float32
+    errors: list[str | None]
+
+    @classmethod
+    def pack(cls, outputs: list[TokenOutput]) -> StepOutputs:
+        counts = np.fromiter((len(o.new_token_ids) for o in outputs), np.int32, len(outputs))
+        n = int(counts.sum())
+        token_ids = np.fromiter((t for o in outputs for t in o.new_token_ids), np.int32, n)
+        logprobs = np.zeros(0, np.float32)
+        has_logprobs = np.fromiter((bool(o.logprobs) for o in outputs), bool, len(outputs))
+        if has_logprobs.any():
+            logprobs = np.zeros(n, np.float32)
+            start = 0
+            for o, c in zip(outputs, counts.tolist(), strict=True):
+                logprobs[start : start + len(o.logprobs)] = o.logprobs
+                start += c
+        top_counts = np.fromiter(
+            (len(o.top_logprobs[0]) if o.top_logprobs else 0 for o in outputs),
+            np.int32,
+            len(outputs),
+        )
+        k = int(top_counts.max()) if len(outputs) else 0
+        top_ids, top_vals = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
+        if k:
+            start = 0
+            for o, c in zip(outputs, counts.tolist(), strict=True):
+                for j, row in enumerate(o.top_logprobs):
+                    for col, (t, v) in enumerate(row):
+                        top_ids[start + j, col], top_vals[start + j, col] = t, v
+                start += c
+        return cls(
+            rids=[o.rid for o in outputs],
+            counts=counts,
+            token_ids=token_ids,
+            finished_reasons=[o.finished_reason for o in outputs],
+            matched_stops=[o.matched_stop for o in outputs],
+            lengths=np.array(
+                [(o.prompt_tokens, o.completion_tokens, o.cached_tokens) for o in outputs],
+                np.int32,
+            ).reshape(-1, 3),
+            logprobs=logprobs,
+            has_logprobs=has_logprobs,
+            top_counts=top_counts,
+            top_ids=top_ids,
+            top_vals=top_vals,
+            errors=[o.error for o in outputs],
+        )
+
+    def unpack(self) -> list[TokenOutput]:
+        """The per-request outputs again, for routing to each request's queue."""
+        out = []
+        ends = np.cumsum(self.counts).tolist()
+        token_ids = self.token_ids.tolist()
+        logprobs = self.logprobs.tolist()
+        has_logprobs = self.has_logprobs.tolist()
+        lengths = self.lengths.tolist()
+        top_counts = self.top_counts.tolist()
+        start = 0
+        for i, rid in enumerate(self.rids):
+            end = ends[i]
+            top: list[list[tuple[int, float]]] = []
+            if top_counts[i]:
+                ids = self.top_ids[start:end, : top_counts[i]].tolist()
+                vals = self.top_vals[start:end, : top_counts[i]].tolist()
+                top = [list(zip(a, b, strict=True)) for a, b in zip(ids, vals, strict=True)]
+            out.append(
+                TokenOutput(
+                    rid=rid,
+                    new_token_ids=token_ids[start:end],
+                    finished_reason=self.finished_reasons[i],
+                    matched_stop=self.matched_stops[i],
+                    prompt_tokens=lengths[i][0],
+                    completion_tokens=lengths[i][1],
+                    cached_tokens=lengths[i][2],
+                    logprobs=logprobs[start:end] if has_logprobs[i] else [],
+                    top_logprobs=top,
+                    error=self.errors[i],
+                )
+            )
+            start = end
+        return out
 
 
 @dataclass

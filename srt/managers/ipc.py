@@ -1,7 +1,9 @@
 """ZeroMQ PUSH/PULL between the server's processes, over ipc:// endpoints in a private directory.
 
 Each PULL socket is bound by the process that reads it, each PUSH socket connects; a message is
-one pickled object (the io_struct dataclasses, whose token ids travel as numpy arrays).
+one pickled object (the io_struct dataclasses, whose token ids travel as numpy arrays). Pickle
+protocol 5 sends larger arrays out of band, as frames of their own: their bytes are neither
+copied into the pickle nor out of it.
 """
 
 from __future__ import annotations
@@ -75,10 +77,32 @@ def connect_push(ctx: zmq.Context[SocketT], endpoint: str) -> SocketT:
     return sock
 
 
+# Arrays smaller than this stay inside the pickle: a frame of its own costs more than the copy.
+_OUT_OF_BAND_BYTES = 4096
+
+
+def dumps(obj: Any) -> list[Any]:
+    """`obj` as message frames: the pickle, then its out-of-band buffers."""
+    buffers: list[pickle.PickleBuffer] = []
+
+    def in_band(buf: pickle.PickleBuffer) -> bool:
+        if buf.raw().nbytes < _OUT_OF_BAND_BYTES:
+            return True
+        buffers.append(buf)
+        return False
+
+    return [pickle.dumps(obj, protocol=5, buffer_callback=in_band), *buffers]
+
+
+def loads(frames: list[Any]) -> Any:
+    """The object `dumps` made the frames of (arrays on out-of-band frames are read-only)."""
+    return pickle.loads(frames[0], buffers=frames[1:])
+
+
 def send(sock: zmq.Socket, obj: Any) -> None:
-    sock.send(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    sock.send_multipart(dumps(obj), copy=False)
 
 
 def recv(sock: zmq.Socket, flags: int = 0) -> Any:
     """The next object; with `zmq.NOBLOCK`, raises `zmq.Again` when none is waiting."""
-    return pickle.loads(sock.recv(flags))
+    return loads(sock.recv_multipart(flags))

@@ -68,6 +68,30 @@ class SeqResult:
         return {"text": self.text, "output_ids": self.token_ids, "meta_info": meta}
 
 
+def coalesce(outputs: list[TokenOutput]) -> list[TokenOutput]:
+    """Outputs of the same sequence folded into one, in order of first arrival: a consumer that
+    fell behind by several steps handles (and streams) them as one update, not one each."""
+    merged: dict[str, TokenOutput] = {}
+    for out in outputs:
+        prev = merged.get(out.rid)
+        if prev is None:
+            merged[out.rid] = out
+            continue
+        merged[out.rid] = TokenOutput(
+            rid=out.rid,
+            new_token_ids=prev.new_token_ids + out.new_token_ids,
+            finished_reason=out.finished_reason,
+            matched_stop=out.matched_stop,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens,
+            logprobs=prev.logprobs + out.logprobs,
+            top_logprobs=prev.top_logprobs + out.top_logprobs,
+            error=prev.error or out.error,
+        )
+    return list(merged.values())
+
+
 class SeqDecoder:
     """Turns one sequence's token outputs from the scheduler into updates: text deltas, cut at
     the sequence's first stop string. The scheduler sees only ids, so a sequence that a stop

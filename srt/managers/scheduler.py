@@ -5,6 +5,14 @@ prefix) or a decode batch (one token for every running request). Admission reser
 request's whole future (prompt plus max_new_tokens), so decoding never runs out of slots; a
 request that does not fit waits in the queue.
 
+A plan commits its effects when it is built (KV lengths, slots, which requests decode next),
+so the next step can be planned before this one's sampled ids are back: with overlap, step N+1
+is planned and launched while step N runs, and a decode whose input is a token still on the
+device says so in the plan (`input_from_prev`: its index in the previous step's result). What
+only the sampled ids decide (stop tokens) is applied when the result arrives; a request that
+stopped at step N but was already in step N+1 has that token dropped, and nothing of a request
+(KV slots, table row, prefix-cache insertion) is freed while a step in flight still uses it.
+
 The scheduler works on token ids only: stop strings are matched where the text is, on the
 tokenizer side, which aborts the request here once one matches.
 """
@@ -47,7 +55,7 @@ class Req:
     # doubling, so a decode step appends in O(1) instead of copying the whole history.
     slot_buf: np.ndarray = field(default_factory=lambda: _EMPTY)
     num_slots: int = 0
-    kv_len: int = 0
+    kv_len: int = 0  # tokens whose KV the steps planned so far write
     table_len: int = 0  # entries of its row the runner has been sent
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     cache_node: Any = None  # prefix-cache node locked while the request runs
@@ -55,6 +63,10 @@ class Req:
     matched_stop: int | str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    steps_in_flight: int = 0  # planned steps with this request whose result is not back
+    pending_outputs: int = 0  # tokens those steps sample for it (not known here yet)
+    last_output_index: int = -1  # its row in the latest planned step's result
+    last_output_step: int = -1  # that step's number
 
     @property
     def slots(self) -> np.ndarray:
@@ -82,6 +94,21 @@ class Req:
         """KV slots this request may still allocate."""
         return len(self.input_ids) + self.max_new_tokens - self.num_slots
 
+    @property
+    def planned_outputs(self) -> int:
+        """Output tokens known plus those the steps in flight will sample."""
+        return len(self.output_ids) + self.pending_outputs
+
+
+@dataclass
+class ScheduledStep:
+    """A planned step and, per row of its result, the request and whether it samples there
+    (a prefill chunk that does not finish the prompt samples nothing)."""
+
+    plan: BatchPlan
+    reqs: list[Req]
+    samples: list[bool]
+
 
 class Scheduler:
     def __init__(
@@ -100,11 +127,18 @@ class Scheduler:
         self.rows = RequestRowPool(args.max_running_requests)
         self.prefix_cache = PrefixCache(self.allocator) if args.enable_prefix_caching else None
         self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
+        # Requests whose prompt is planned in full and that may decode, in admission order
+        # (a dict: removal by rid is O(1)).
+        self.running: dict[str, Req] = {}
         self.chunked: Req | None = None  # the request whose prompt is half prefilled
         self.reqs: dict[str, Req] = {}
+        # future_need summed over admitted requests, kept up to date as slots are allocated
+        # (summing it every step would cost O(running)).
+        self.reserved = 0
         self.rng = random.Random(args.seed)
         self.step_count = 0
+        # Overlap: the step launched but not yet processed, and how to wait for its result.
+        self.in_flight: tuple[ScheduledStep, Callable[[], BatchResult]] | None = None
         self.stats = {
             "prefill_steps": 0,
             "decode_steps": 0,
@@ -138,13 +172,15 @@ class Scheduler:
         self.waiting.append(r)
 
     def abort(self, rid: str) -> TokenOutput | None:
+        """Finish a request now; None if it is unknown or has finished already. Its slots
+        are freed once no step in flight uses them."""
         req = self.reqs.get(rid)
-        if req is None:
+        if req is None or req.finished_reason is not None:
             return None
-        if req in self.waiting:
+        if req.row < 0:  # still queued
             self.waiting.remove(req)
         req.finished_reason = "abort"
-        self._release(req)
+        self._finish(req)
         return self._output(req, [])
 
     def flush_cache(self) -> bool:
@@ -156,37 +192,56 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.in_flight)
 
     # ---- one step --------------------------------------------------------------------------
 
-    def schedule(self) -> tuple[BatchPlan, list[tuple[Req, int]]] | None:
-        """Choose the next batch: prefill if any request can be admitted, else decode."""
+    def schedule(self) -> ScheduledStep | None:
+        """Plan the next batch (prefill if any request can be admitted, else decode) and
+        commit its effects, so that the step after it can be planned at once."""
         items = self._schedule_prefill()
         mode = ForwardMode.EXTEND
         if not items:
-            items = [(r, 1) for r in self.running]
+            # Length limits are known in advance: a request whose last token is already
+            # planned is not decoded again.
+            items = [(r, 1) for r in self.running.values() if r.planned_outputs < r.max_new_tokens]
             mode = ForwardMode.DECODE
         if not items:
             return None
         self.step_count += 1
-        return self._build_plan(mode, items), items
-
-    def process_result(
-        self, items: list[tuple[Req, int]], result: BatchResult
-    ) -> list[TokenOutput]:
-        outputs = []
-        decode = all(r.prompt_done for r, _ in items)
-        self.stats["decode_steps" if decode else "prefill_steps"] += 1
+        plan = self._build_plan(mode, items)
+        samples = []
         for i, (req, extend) in enumerate(items):
-            if req.finished_reason is not None:  # aborted while the step ran
-                continue
             was_prefilling = not req.prompt_done
             req.kv_len += extend
+            req.steps_in_flight += 1
+            samples.append(req.prompt_done)
             if not req.prompt_done:
                 continue
             if req is self.chunked:
                 self.chunked = None
+            if req.max_new_tokens > 0:
+                req.pending_outputs += 1
+                req.last_output_index, req.last_output_step = i, self.step_count
+                if was_prefilling:  # its prompt is planned: it decodes from the next step on
+                    self.running[req.rid] = req
+        return ScheduledStep(plan, [r for r, _ in items], samples)
+
+    def process_result(self, step: ScheduledStep, result: BatchResult) -> list[TokenOutput]:
+        """Apply a step's sampled ids: stop checks, outputs, and the releases it allows."""
+        outputs = []
+        mode = step.plan.forward_mode
+        self.stats["decode_steps" if mode == ForwardMode.DECODE else "prefill_steps"] += 1
+        for i, (req, samples) in enumerate(zip(step.reqs, step.samples, strict=True)):
+            req.steps_in_flight -= 1
+            if samples and req.max_new_tokens > 0:
+                req.pending_outputs -= 1
+            if req.finished_reason is not None:  # finished before: this step's token drops
+                if req.steps_in_flight == 0:
+                    self._release(req)
+                continue
+            if not samples:
+                continue
             new_ids: list[int] = []
             if req.max_new_tokens == 0:
                 req.finished_reason = "length"
@@ -199,9 +254,7 @@ class Scheduler:
                     self._record_logprobs(req, result, i)
                 self._check_finished(req, token)
             if req.finished_reason is not None:
-                self._release(req)
-            elif was_prefilling:  # its prompt is done: it joins the decode batch
-                self.running.append(req)
+                self._finish(req)
             outputs.append(self._output(req, new_ids))
         return outputs
 
@@ -210,18 +263,35 @@ class Scheduler:
         scheduled = self.schedule()
         if scheduled is None:
             return []
-        plan, items = scheduled
-        return self.process_result(items, forward(plan))
+        return self.process_result(scheduled, forward(scheduled.plan))
+
+    def step_overlapped(
+        self, launch: Callable[[BatchPlan], Callable[[], BatchResult]]
+    ) -> list[TokenOutput] | None:
+        """Plan and launch the next step, then process the one launched before it (which ran
+        meanwhile); None when there was neither. `launch` starts a step and returns what
+        waits for its result. At most one step is in flight ahead of the one running."""
+        scheduled = self.schedule()
+        if scheduled is None and self.in_flight is None:
+            return None
+        launched = (scheduled, launch(scheduled.plan)) if scheduled is not None else None
+        outputs = self.drain()
+        self.in_flight = launched
+        return outputs
+
+    def drain(self) -> list[TokenOutput]:
+        """Wait for the step in flight, if any, and process it."""
+        if self.in_flight is None:
+            return []
+        step, wait = self.in_flight
+        self.in_flight = None
+        return self.process_result(step, wait())
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _reserved(self) -> int:
-        active = self.running + ([self.chunked] if self.chunked else [])
-        return sum(r.future_need for r in active)
-
     def _free_slots(self) -> int:
         evictable = self.prefix_cache.evictable_size if self.prefix_cache else 0
-        return self.allocator.available + evictable - self._reserved()
+        return self.allocator.available + evictable - self.reserved
 
     def _schedule_prefill(self) -> list[tuple[Req, int]]:
         budget = self.args.max_prefill_tokens
@@ -234,7 +304,6 @@ class Scheduler:
             )
             items.append((self.chunked, extend))
             budget -= extend
-        admitted_need = 0  # future KV of requests admitted below (not yet in `running`)
         while (
             self.waiting
             and budget > 0
@@ -245,17 +314,17 @@ class Scheduler:
             req = self.waiting[0]
             if self.prefix_cache is not None:
                 self.prefix_cache.attach(req)
-            if self._free_slots() - admitted_need < req.future_need:
+            if self._free_slots() < req.future_need:
                 if self.prefix_cache is not None:
                     self.prefix_cache.detach(req)
                 break
             self.waiting.popleft()
             req.row = self.rows.alloc()
+            self.reserved += req.future_need
             remaining = len(req.input_ids) - req.kv_len
             extend = min(remaining, self.args.chunked_prefill_size, budget)
             items.append((req, extend))
             budget -= extend
-            admitted_need += req.future_need
             self.stats["prompt_tokens"] += len(req.input_ids)
             self.stats["cached_tokens"] += req.cached_tokens
             if extend < remaining:
@@ -265,12 +334,14 @@ class Scheduler:
     def _alloc(self, n: int) -> np.ndarray:
         if self.allocator.available < n and self.prefix_cache is not None:
             self.prefix_cache.evict(n - self.allocator.available)
+        self.reserved -= n  # every allocation is for an admitted request, within its need
         return self.allocator.alloc(n)
 
     def _build_plan(self, mode: ForwardMode, items: list[tuple[Req, int]]) -> BatchPlan:
         n = len(items)
         req_rows = np.fromiter((r.row for r, _ in items), np.int32, n)
         kv_lens = np.fromiter((r.kv_len for r, _ in items), np.int32, n)
+        input_from_prev = None
         if mode is ForwardMode.DECODE:
             # One token each, and each row already holds [0, kv_len): built as whole arrays,
             # since this runs every step for every running request.
@@ -278,7 +349,16 @@ class Scheduler:
             for i, (req, _) in enumerate(items):
                 req.add_slots(new[i : i + 1])
                 req.table_len = req.kv_len + 1
-            ids = np.fromiter((r.output_ids[-1] for r, _ in items), np.int32, n)
+            ids = np.fromiter(
+                (r.output_ids[-1] if not r.pending_outputs else 0 for r, _ in items), np.int32, n
+            )
+            if any(r.pending_outputs for r, _ in items):
+                # The input is the token the step in flight samples; it stays on the device.
+                input_from_prev = np.full(n, -1, np.int32)
+                for i, (req, _) in enumerate(items):
+                    if req.pending_outputs:
+                        assert req.last_output_step == self.step_count - 1, "one step ahead"
+                        input_from_prev[i] = req.last_output_index
             positions, locs = kv_lens, new
             table = [req_rows, kv_lens, new]
         else:
@@ -325,6 +405,7 @@ class Scheduler:
             return_logprob=any(p.logprobs for p in params),
             top_logprobs_num=max(p.top_logprobs_num for p in params),
             step=self.step_count,
+            input_from_prev=input_from_prev,
         )
 
     def _record_logprobs(self, req: Req, result: BatchResult, i: int) -> None:
@@ -348,19 +429,27 @@ class Scheduler:
         elif len(req.output_ids) >= req.max_new_tokens:
             req.finished_reason = "length"
 
-    def _release(self, req: Req) -> None:
-        """Give back a finished or aborted request's KV slots (to the prefix cache if on)."""
-        if req in self.running:
-            self.running.remove(req)
+    def _finish(self, req: Req) -> None:
+        """A finished request is planned no more; released now if no step in flight has it,
+        else when the last such step comes back."""
+        self.running.pop(req.rid, None)
         if req is self.chunked:
             self.chunked = None
+        if req.steps_in_flight == 0:
+            self._release(req)
+
+    def _release(self, req: Req) -> None:
+        """Give back a finished or aborted request's KV slots (to the prefix cache if on)."""
         if req.row >= 0:
+            self.reserved -= req.future_need
             if self.prefix_cache is not None:
-                # KV holds the prompt and every output token but the last.
-                tokens = (req.input_ids + req.output_ids)[: len(req.slots)]
-                computed = min(req.kv_len, len(req.slots))
-                self.prefix_cache.release(req, tokens[:computed], req.slots[:computed])
-                self.allocator.free(req.slots[computed:])
+                # KV holds the tokens [0, kv_len) of prompt and output: every output token but
+                # the last, or the last too if a step that was in flight took it as input. (A
+                # step's input is known before any abort can arrive: aborts are handled between
+                # loop turns, when only the step whose input is the last known token runs.)
+                tokens = (req.input_ids + req.output_ids)[: req.kv_len]
+                assert len(tokens) == req.kv_len == req.num_slots, "KV past the known tokens"
+                self.prefix_cache.release(req, tokens, req.slots)
             else:
                 self.allocator.free(req.slots)
             self.rows.free(req.row)

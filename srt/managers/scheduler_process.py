@@ -1,30 +1,38 @@
 """The scheduler process: requests in from the tokenizer, one batch plan at a time to the runner,
 token outputs back to the tokenizer.
 
-Steps are synchronous (plan, wait for the result, process it); between steps every message that
-has arrived is handled, and with no work the loop sleeps on its inbox. A request that cannot
-be admitted, for whatever reason, is finished with an error; the others carry on.
+With overlap (the default), step N+1 is planned and sent before step N's result is awaited, so
+the runner always has the next plan when a step ends; with --disable-overlap-schedule each step
+is planned, run and processed in turn. Between steps every message that has arrived is handled,
+and with no work the loop sleeps on its inbox. A step's outputs go to the tokenizer as one
+message. A request that cannot be admitted, for whatever reason, is finished with an error; the
+others carry on.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from srt.managers.io_struct import (
     AbortReq,
+    BatchPlan,
+    BatchResult,
     FlushCacheOutput,
     FlushCacheReq,
     GenerateReq,
     InfoOutput,
     InfoReq,
     RunnerReady,
+    StepOutputs,
     TokenOutput,
 )
 from srt.managers.ipc import Endpoints, bind_pull, connect_push, recv, send
 from srt.managers.scheduler import Scheduler
+from srt.managers.timeline import StepTimeline
 from srt.model_config import ModelConfig
 from srt.process import ReadyPipe, run_child
 from srt.server_args import ServerArgs
@@ -54,6 +62,10 @@ class SchedulerLoop:
             vocab_size=config.vocab_size,
             eos_token_ids=config.eos_token_ids,
         )
+        self.overlap = not args.disable_overlap_schedule
+        # Per loop turn: plan built, sent, the previous (overlap) or this plan's result back,
+        # outputs sent to the tokenizer.
+        self.timeline = StepTimeline(("start", "planned", "sent", "received", "outputs_sent"))
 
     def figures(self) -> dict[str, Any]:
         return {"info": self.scheduler.info()}
@@ -67,16 +79,39 @@ class SchedulerLoop:
                 timeout = None
             if poller.poll(timeout):
                 self._handle_inbox()
-            scheduled = self.scheduler.schedule()
-            if scheduled is None:
+            self.timeline.begin()
+            outputs = self._step()
+            if outputs is None:
+                self.timeline.discard()
                 timeout = None if not self.scheduler.has_work else _BLOCKED_POLL_MS
                 continue
             timeout = 0
-            plan, items = scheduled
-            send(self.to_runner, plan)
-            outputs = self.scheduler.process_result(items, recv(self.results))
-            if outputs:
-                send(self.to_tokenizer, outputs)
+            self._send_outputs(outputs)
+            self.timeline.mark("outputs_sent")
+
+    def _step(self) -> list[TokenOutput] | None:
+        """One step's outputs; None if no step could be planned and none was in flight."""
+        if self.overlap:
+            return self.scheduler.step_overlapped(self._launch)
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return None
+        return self.scheduler.process_result(scheduled, self._launch(scheduled.plan)())
+
+    def _launch(self, plan: BatchPlan) -> Callable[[], BatchResult]:
+        self.timeline.mark("planned")
+        send(self.to_runner, plan)
+        self.timeline.mark("sent")
+        return self._result
+
+    def _result(self) -> BatchResult:
+        result = recv(self.results)  # the runner answers in order
+        self.timeline.mark("received")
+        return result
+
+    def _send_outputs(self, outputs: list[TokenOutput]) -> None:
+        if outputs:
+            send(self.to_tokenizer, StepOutputs.pack(outputs))
 
     def _handle_inbox(self) -> None:
         replies: list[Any] = []
@@ -104,8 +139,11 @@ class SchedulerLoop:
         if isinstance(msg, FlushCacheReq):
             return FlushCacheOutput(self.scheduler.flush_cache())
         if isinstance(msg, InfoReq):
+            # The runner's reply comes after the result of the step in flight: take it first.
+            self._send_outputs(self.scheduler.drain())
             send(self.to_runner, msg)
-            return InfoOutput(msg.req_id, self.scheduler.info(), recv(self.results))
+            info = {**self.scheduler.info(), "timeline": self.timeline.summary()}
+            return InfoOutput(msg.req_id, info, recv(self.results))
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 
 

@@ -126,6 +126,9 @@ class IncrementalDetokenizer:
     the next token, and a tail that could begin a stop string waits until it either completes
     the stop string (and is cut) or cannot any more. This is the one place stop strings are
     matched: the scheduler works on token ids only.
+
+    Each push decodes a window of a few tokens and handles only the new text, so a step costs
+    the same however long the output already is.
     """
 
     def __init__(
@@ -134,14 +137,18 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.text = ""  # decoded so far
-        self.sent = 0  # characters of `text` already returned
+        self._released: list[str] = []  # the deltas returned so far
+        self._held = ""  # decoded but not yet returned (a possible stop string's beginning)
         self.stopped = False  # a stop string matched: the text ends before it, for good
         self.matched_stop: str | None = None
         self._matcher = StopStringMatcher(stop) if stop else None
-        self._matched_upto = 0  # characters of `text` fed to the matcher
         self._prefix_offset = 0
         self._read_offset = 0
+
+    @property
+    def text(self) -> str:
+        """Everything decoded so far (cut before a matched stop string)."""
+        return "".join(self._released) + self._held
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -153,10 +160,11 @@ class IncrementalDetokenizer:
         # Decode a short window: the tokens before the read offset give context for spacing.
         prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
         new = self._decode(self.ids[self._prefix_offset :])
+        piece = ""
         if len(new) > len(prefix) and not new.endswith("\ufffd"):
-            self.text += new[len(prefix) :]
+            piece = new[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        return self._release(final=False)
+        return self._release(piece, final=False)
 
     def finish(self) -> str:
         """The rest of the text, cut before the first stop string."""
@@ -164,22 +172,23 @@ class IncrementalDetokenizer:
             return ""
         tail = self._decode(self.ids[self._prefix_offset :])
         prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        self.text += tail[len(prefix) :]
         self._prefix_offset = self._read_offset = len(self.ids)
-        return self._release(final=True)
+        return self._release(tail[len(prefix) :], final=True)
 
-    def _release(self, final: bool) -> str:
-        end = len(self.text)
+    def _release(self, piece: str, final: bool) -> str:
+        held = self._held + piece
+        end = len(held)
         if self._matcher is not None:
-            hit = self._matcher.feed(self.text[self._matched_upto :])
+            hit = self._matcher.feed(piece)
             if hit is not None:
-                stop_end, self.matched_stop = self._matched_upto + hit[0], hit[1]
-                end = stop_end - len(hit[1])
-                self.text = self.text[:end]
+                # A stop string begins within the held tail (what came before could not).
+                stop_end, self.matched_stop = len(self._held) + hit[0], hit[1]
+                end = max(stop_end - len(hit[1]), 0)
+                held = held[:end]
                 self.stopped = True
             elif not final:
                 end -= self._matcher.pending
-            self._matched_upto = len(self.text)
-        end = max(end, self.sent)
-        delta, self.sent = self.text[self.sent : end], end
+        delta, self._held = held[:end], held[end:]
+        if delta:
+            self._released.append(delta)
         return delta

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import pickle
 import time
 import uuid
 from collections import deque
@@ -32,11 +31,13 @@ from srt.managers.io_struct import (
     GenerateReq,
     InfoOutput,
     InfoReq,
+    StepOutputs,
     TokenOutput,
 )
-from srt.managers.ipc import Endpoints, bind_pull, connect_push, send
+from srt.managers.ipc import Endpoints, bind_pull, connect_push, loads, send
 from srt.managers.metrics import ServerMetrics
-from srt.managers.outputs import SeqDecoder, SeqResult, SeqUpdate
+from srt.managers.outputs import SeqDecoder, SeqResult, SeqUpdate, coalesce
+from srt.managers.timeline import StepTimeline
 from srt.managers.tokenizer import load_tokenizer
 from srt.model_config import ModelConfig
 from srt.server_args import ServerArgs
@@ -77,6 +78,8 @@ class TokenizerManager:
         self.info_waiters: dict[int, asyncio.Future[InfoOutput]] = {}
         self.flush_waiters: deque[asyncio.Future[bool]] = deque()
         self.info_ids = itertools.count()
+        # Per step's outputs: received, routed to the sequences' queues.
+        self.timeline = StepTimeline(("received", "routed"))
 
     def load_tokenizer(self) -> None:
         """Load the tokenizer (seconds, with transformers' import): the launcher does it while
@@ -118,7 +121,16 @@ class TokenizerManager:
     async def handle_outputs(self) -> None:
         """Route everything the scheduler sends back; runs for the life of the server."""
         while True:
-            for msg in pickle.loads(await self.inbox.recv()):
+            frames = await self.inbox.recv_multipart()
+            self.timeline.begin()
+            received = loads(frames)
+            # A step's outputs come packed in one message; replies come as a list.
+            if isinstance(received, StepOutputs):
+                msgs: list[Any] = received.unpack()
+            else:
+                self.timeline.discard()
+                msgs = received
+            for msg in msgs:
                 if isinstance(msg, TokenOutput):
                     queue = self.seq_queues.get(msg.rid)
                     if queue is not None:  # else: aborted here, the scheduler's echo
@@ -131,6 +143,8 @@ class TokenizerManager:
                     flush_waiter = self.flush_waiters.popleft()
                     if not flush_waiter.done():
                         flush_waiter.set_result(msg.success)
+            if isinstance(received, StepOutputs):
+                self.timeline.mark("routed")
 
     def check_ready(self) -> None:
         if not self.ready:
@@ -187,27 +201,33 @@ class TokenizerManager:
             self.metrics.prompt_tokens.inc(len(seq.input_ids))
         try:
             while pending:
-                out = await queue.get()
-                if out.rid not in pending:
-                    continue  # a step that was under way when a stop string ended it
-                if out.error is not None:  # the backend died, or the scheduler refused it
-                    raise ServerNotReady(out.error) if self.failure else InvalidRequest(out.error)
-                update, abort = decoders[out.rid].update(out)
-                now = time.perf_counter()
-                if update.token_ids:
-                    self.metrics.observe_tokens(
-                        len(update.token_ids),
-                        now - last_seen.get(out.rid, arrival),
-                        first=out.rid not in last_seen,
-                    )
-                    last_seen[out.rid] = now
-                if update.finish_reason is not None:
-                    pending.discard(out.rid)
-                    self.seq_queues.pop(out.rid, None)
-                    self.metrics.observe_finish(update.finish_reason, now - arrival)
-                    if abort:  # a stop string: the scheduler, seeing only ids, runs it still
-                        send(self.to_scheduler, AbortReq(out.rid))
-                yield update
+                # Everything that has arrived, one update per sequence.
+                arrived = [await queue.get()]
+                while not queue.empty():
+                    arrived.append(queue.get_nowait())
+                for out in coalesce(arrived):
+                    if out.rid not in pending:
+                        continue  # a step that was under way when a stop string ended it
+                    if out.error is not None:  # the backend died, or the scheduler refused it
+                        if self.failure:
+                            raise ServerNotReady(out.error)
+                        raise InvalidRequest(out.error)
+                    update, abort = decoders[out.rid].update(out)
+                    now = time.perf_counter()
+                    if update.token_ids:
+                        self.metrics.observe_tokens(
+                            len(update.token_ids),
+                            now - last_seen.get(out.rid, arrival),
+                            first=out.rid not in last_seen,
+                        )
+                        last_seen[out.rid] = now
+                    if update.finish_reason is not None:
+                        pending.discard(out.rid)
+                        self.seq_queues.pop(out.rid, None)
+                        self.metrics.observe_finish(update.finish_reason, now - arrival)
+                        if abort:  # a stop string: the scheduler, seeing only ids, runs it on
+                            send(self.to_scheduler, AbortReq(out.rid))
+                    yield update
         finally:
             for rid in rids:
                 self.seq_queues.pop(rid, None)

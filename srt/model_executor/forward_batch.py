@@ -67,22 +67,32 @@ def forward_batch_from_host(
     extend_lens: np.ndarray,
     req_to_token: torch.Tensor,
     attn_backend: AttentionBackend,
+    input_from_prev: np.ndarray | None = None,
+    prev_sampled: torch.Tensor | None = None,
 ) -> ForwardBatch:
-    """A ForwardBatch on `req_to_token`'s device from host arrays (uploaded in one copy)."""
+    """A ForwardBatch on `req_to_token`'s device from host arrays (uploaded in one copy).
+
+    With `input_from_prev` (one per token: a row of `prev_sampled`, the previous step's
+    sampled ids on the device, or -1), those tokens' ids are taken from there instead of
+    `input_ids`.
+    """
     prefix_lens = prefix_lens.astype(np.int64)
     extend_lens = extend_lens.astype(np.int64)
     seq_lens = prefix_lens + extend_lens
     extend_start = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).astype(np.int64)
-    ids, pos, locs, rows, lens = to_device_packed(
-        [
-            input_ids,
-            positions,
-            out_cache_loc,
-            req_pool_indices,
-            np.concatenate([seq_lens, prefix_lens, extend_lens, extend_start]),
-        ],
-        req_to_token.device,
-    )
+    arrays = [
+        input_ids,
+        positions,
+        out_cache_loc,
+        req_pool_indices,
+        np.concatenate([seq_lens, prefix_lens, extend_lens, extend_start]),
+    ]
+    if input_from_prev is not None:
+        arrays.append(input_from_prev)
+    ids, pos, locs, rows, lens, *src = to_device_packed(arrays, req_to_token.device)
+    if src:
+        assert prev_sampled is not None, "ids from the previous step need its sampled ids"
+        ids = torch.where(src[0] >= 0, prev_sampled[src[0].clamp(min=0)], ids)
     seq, prefix, extend, start = lens.to(torch.int32).split(len(extend_lens))
     return ForwardBatch(
         mode=mode,

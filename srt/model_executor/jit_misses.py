@@ -64,7 +64,9 @@ class JitMissLog:
 
 
 _armed: weakref.WeakSet[JitMissLog] = weakref.WeakSet()
-_dynamo_hooked = False
+# Our Dynamo (start, end) callbacks once made: `torch._dynamo.reset()` clears every callback,
+# so they are put back whenever they are found missing.
+_dynamo_callbacks: tuple[Callable[[Any], None], Callable[[Any], None]] | None = None
 _triton_hooked = False
 
 
@@ -108,9 +110,10 @@ def install_triton_hooks(runtime: Any, report: Report) -> None:
     runtime.jit_post_compile_hook = on_end
 
 
-def install_dynamo_callbacks(report: Report) -> None:
-    """Time each Dynamo compile (and what compiles inside it) by its compile id."""
-    from torch._dynamo.callback import CallbackTrigger, callback_handler
+def dynamo_callbacks(report: Report) -> tuple[Callable[[Any], None], Callable[[Any], None]]:
+    """Start and end callbacks that time each Dynamo compile (and what compiles inside it) by
+    its compile id."""
+    from torch._dynamo.callback import CallbackTrigger
 
     timer = CompileTimer(report)
 
@@ -126,8 +129,21 @@ def install_dynamo_callbacks(report: Report) -> None:
         if counted(args):
             timer.end(args.compile_id, f"torch.compile (Dynamo compile {args.compile_id})")
 
-    callback_handler.register_start_callback(on_start)
-    callback_handler.register_end_callback(on_end)
+    return on_start, on_end
+
+
+def install_dynamo_callbacks() -> None:
+    """Register our Dynamo callbacks unless they are registered already."""
+    global _dynamo_callbacks
+    from torch._dynamo.callback import callback_handler
+
+    if _dynamo_callbacks is None:
+        _dynamo_callbacks = dynamo_callbacks(report_miss)
+    on_start, on_end = _dynamo_callbacks
+    if on_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(on_start)
+    if on_end not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(on_end)
 
 
 def install_hooks() -> None:
@@ -135,10 +151,9 @@ def install_hooks() -> None:
     cost startup time (Dynamo's import takes a second), and one not imported by ready compiles
     nothing after it: srt builds its compiled callables, and imports their JITs, at
     construction."""
-    global _dynamo_hooked, _triton_hooked
-    if not _dynamo_hooked and "torch._dynamo" in sys.modules:
-        _dynamo_hooked = True
-        install_dynamo_callbacks(report_miss)
+    global _triton_hooked
+    if "torch._dynamo" in sys.modules:
+        install_dynamo_callbacks()
     triton = sys.modules.get("triton")
     if not _triton_hooked and triton is not None:
         _triton_hooked = True

@@ -43,6 +43,37 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_SLOTS = 65536
 
 
+class PendingResult:
+    """A launched step's sampled ids (and logprobs) on their way to the host: copied behind
+    the step, into pinned memory, with an event that says when they are there (on the CPU
+    the copy is the tensor itself, done at once)."""
+
+    def __init__(self, tensors: list[torch.Tensor], step: int) -> None:
+        self.step = step
+        self.event: torch.cuda.Event | None = None
+        if tensors[0].is_cuda:
+            # non_blocking into a new CPU tensor pins it, so the copy is asynchronous.
+            self.host = [t.to("cpu", non_blocking=True) for t in tensors]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensors
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> BatchResult:
+        if self.event is not None:
+            self.event.synchronize()
+        arrays = [t.numpy() for t in self.host]
+        result = BatchResult(next_token_ids=arrays[0], step=self.step)
+        if len(arrays) > 1:
+            result.logprobs = arrays[1]
+        if len(arrays) > 2:
+            result.top_logprob_vals, result.top_logprob_ids = arrays[2], arrays[3]
+        return result
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, config: ModelConfig) -> None:
         self.args = args
@@ -105,6 +136,10 @@ class ModelRunner:
         init_attention_graph_state(self.phase_runners.values(), env)
         self.piecewise = env.piecewise  # the tc_piecewise phases' compiled model, if any
         logger.info("split ops: %s", ", ".join(split_ops()))
+        # The last launched step's sampled ids, which the next decode plan may take its
+        # inputs from (overlap scheduling), and that step's number.
+        self.last_sampled: torch.Tensor | None = None
+        self.last_step = -1
         self.warmup_s = 0.0 if args.skip_warmup else self._warm_up()
         self.capture_s = self._prewarm()
         # Ready from here on: a JIT compile now is one the first requests wait for.
@@ -139,7 +174,10 @@ class ModelRunner:
         return slots
 
     def make_forward_batch(self, plan: BatchPlan) -> ForwardBatch:
-        """Copy a plan to the device and apply its request-to-token table writes."""
+        """Copy a plan to the device and apply its request-to-token table writes; decode
+        inputs that are the previous step's samples are taken from the device."""
+        if plan.input_from_prev is not None:
+            assert plan.step == self.last_step + 1, "ids come only from the step just before"
         if len(plan.table_rows):
             rows, cols, slots = to_device_packed(
                 [plan.table_rows, plan.table_cols, plan.table_slots], self.device
@@ -155,6 +193,8 @@ class ModelRunner:
             plan.extend_lens,
             self.req_to_token,
             self.attn_backend,
+            plan.input_from_prev,
+            self.last_sampled,
         )
 
     def _warm_up(self) -> float:
@@ -170,9 +210,10 @@ class ModelRunner:
         ):
             for plan in plans:
                 batch = self.make_forward_batch(plan)
-                self.sample(plan, batch, self.phase_runners[batch.mode].run_general(batch))
+                self.sample(plan, batch, self.phase_runners[batch.mode].run_general(batch)).wait()
             self.req_to_token[WARMUP_ROW].copy_(row)
-        seconds = time.perf_counter() - start  # `sample` waited for the device (.cpu())
+        self.last_sampled, self.last_step = None, -1  # no serving step follows a dummy one
+        seconds = time.perf_counter() - start  # each step's result was waited for
         logger.info(
             "warm-up: %d dummy steps (prefill over a prefix, decode, sampling, logprobs) in "
             "%.2f s (--skip-warmup skips it)",
@@ -230,13 +271,16 @@ class ModelRunner:
         return self.phase_runners[batch.mode].run(batch)
 
     @torch.inference_mode()
-    def forward(self, plan: BatchPlan) -> BatchResult:
+    def launch(self, plan: BatchPlan) -> PendingResult:
+        """Start a step; its result is copied to the host behind the step (on CUDA the call
+        returns before the step has run, so the next plan can be launched meanwhile)."""
         batch = self.make_forward_batch(plan)
         self.jit_misses.step = batch.mode, batch.batch_size, batch.num_tokens
         return self.sample(plan, batch, self.forward_logits(batch))
 
-    def sample(self, plan: BatchPlan, batch: ForwardBatch, logits: torch.Tensor) -> BatchResult:
-        """Each request's next token from `logits` [B, V], with the logprobs the plan asks for."""
+    def sample(self, plan: BatchPlan, batch: ForwardBatch, logits: torch.Tensor) -> PendingResult:
+        """Each request's next token from `logits` [B, V], with the logprobs the plan asks for,
+        on its way to the host; the ids stay on the device for the next plan too."""
         temperatures, top_ps, min_ps = to_device_packed(
             [plan.temperatures, plan.top_ps, plan.min_ps], self.device, torch.float32
         )
@@ -245,15 +289,18 @@ class ModelRunner:
             temperatures, top_ps, top_ks, min_ps, seeds, positions=batch.seq_lens.long()
         )
         next_ids = sample(logits, sampling, all_greedy=not plan.temperatures.any())
-        result = BatchResult(next_token_ids=next_ids.cpu().numpy(), step=plan.step)
+        self.last_sampled, self.last_step = next_ids, plan.step
+        outputs = [next_ids]
         if plan.return_logprob:
             chosen, top = logprobs_of(logits, next_ids, plan.top_logprobs_num)
-            result.logprobs = chosen.cpu().numpy()
+            outputs.append(chosen)
             if top is not None:
-                top_vals, top_ids = top
-                result.top_logprob_vals = top_vals.cpu().numpy()
-                result.top_logprob_ids = top_ids.cpu().numpy()
-        return result
+                outputs += top
+        return PendingResult(outputs, plan.step)
+
+    def forward(self, plan: BatchPlan) -> BatchResult:
+        """Run a step and wait for its result."""
+        return self.launch(plan).wait()
 
     def info(self) -> dict[str, Any]:
         return {

@@ -1,4 +1,10 @@
-"""The model-runner process: receives batch plans, runs `ModelRunner.forward`, sends results."""
+"""The model-runner process: receives batch plans, runs them, sends results, in order.
+
+A step's result is sent once its ids are on the host; a plan that arrives while they are still
+on their way is launched first (overlap scheduling: the device does not wait for the host's
+round trip), and while none arrives the loop polls both. Results go out in step order, and an
+info request is answered after every result before it.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,9 @@ import zmq
 
 from srt.managers.io_struct import BatchPlan, InfoReq, RunnerReady
 from srt.managers.ipc import Endpoints, bind_pull, connect_push, recv, send
+from srt.managers.timeline import StepTimeline
 from srt.model_config import ModelConfig
-from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.model_runner import ModelRunner, PendingResult
 from srt.process import ReadyPipe, run_child
 from srt.server_args import ServerArgs
 
@@ -26,17 +33,40 @@ class RunnerLoop:
         self.inbox = bind_pull(self.ctx, endpoints.runner_inbox)
         self.results = connect_push(self.ctx, endpoints.runner_results)
         send(self.results, RunnerReady(self.runner.num_slots, self.runner.context_length))
+        # Per step: plan received, launched (on CUDA, queued on the device), result sent.
+        self.timeline = StepTimeline(("received", "launched", "result_sent"))
+
+    def _send_result(self, pending: PendingResult) -> None:
+        send(self.results, pending.wait())
+        self.timeline.mark("result_sent", pending.step)
 
     def figures(self) -> dict[str, Any]:
         return {"info": self.runner.info()}
 
     def run(self) -> None:
+        pending: PendingResult | None = None  # launched, result not sent yet
         while True:
+            if pending is not None and not self.inbox.poll(0):
+                if pending.ready():
+                    self._send_result(pending)
+                    pending = None
+                continue
             msg = recv(self.inbox)
             if isinstance(msg, BatchPlan):
-                send(self.results, self.runner.forward(msg))
+                if pending is not None and pending.ready():  # always so on the CPU
+                    self._send_result(pending)
+                    pending = None
+                self.timeline.begin(msg.step)
+                launched = self.runner.launch(msg)
+                self.timeline.mark("launched")
+                if pending is not None:  # still on its way: the device has the next step now
+                    self._send_result(pending)
+                pending = launched
             elif isinstance(msg, InfoReq):
-                send(self.results, self.runner.info())
+                if pending is not None:
+                    self._send_result(pending)
+                    pending = None
+                send(self.results, {**self.runner.info(), "timeline": self.timeline.summary()})
             else:
                 raise TypeError(f"model runner got an unexpected message {type(msg).__name__}")
 

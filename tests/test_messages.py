@@ -1,0 +1,69 @@
+"""The per-step messages: a step's outputs packed into arrays and back, frames with out-of-band
+arrays, and outputs of one sequence folded together when a consumer falls behind."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from srt.managers.io_struct import BatchPlan, StepOutputs, TokenOutput
+from srt.managers.ipc import dumps, loads
+from srt.managers.outputs import coalesce
+
+
+def outputs() -> list[TokenOutput]:
+    return [
+        TokenOutput("a", [5], prompt_tokens=3, completion_tokens=1),
+        TokenOutput(
+            "b",
+            [7, 8],
+            finished_reason="stop",
+            matched_stop=8,
+            prompt_tokens=4,
+            completion_tokens=9,
+            cached_tokens=2,
+            logprobs=[-0.5, -1.25],
+            top_logprobs=[[(7, -0.5), (1, -2.0)], [(8, -1.25), (2, -3.0)]],
+        ),
+        TokenOutput("c", [], finished_reason="abort", error="refused"),
+        TokenOutput("d", [9], logprobs=[-0.75], top_logprobs=[[(9, -0.75)]]),
+        TokenOutput("e", [1], matched_stop="end"),
+    ]
+
+
+def test_step_outputs_round_trip() -> None:
+    packed = StepOutputs.pack(outputs())
+    assert packed.token_ids.tolist() == [5, 7, 8, 9, 1]
+    assert packed.top_ids.shape == (5, 2)  # padded to the most any request asked
+    assert packed.unpack() == outputs()
+    assert loads(dumps(packed)).unpack() == outputs()
+    assert StepOutputs.pack([]).unpack() == []
+
+
+def test_large_arrays_travel_out_of_band() -> None:
+    n = 10_000
+    ids, positions, locs = (np.arange(n, dtype=np.int32) + k for k in range(3))
+    plan = BatchPlan(
+        0, ids, positions, locs, *(np.zeros(1, np.int32),) * 6, *(np.zeros(1, np.float32),) * 2,
+        np.ones(1, np.int64), np.zeros(1, np.float32), np.zeros(1, np.int64),
+    )  # fmt: skip
+    frames = dumps(plan)
+    assert len(frames) == 4  # the pickle, then the three large arrays
+    assert len(frames[0]) < 2000  # which are not in the pickle
+    back = loads([bytes(f) for f in frames])
+    assert (back.input_ids == ids).all() and (back.out_cache_loc == locs).all()
+    assert len(dumps(TokenOutput("a", [1]))) == 1  # small messages stay one frame
+
+
+def test_coalesce_folds_each_sequence_in_order() -> None:
+    got = coalesce(
+        [
+            TokenOutput("a", [1], logprobs=[-1.0], completion_tokens=1),
+            TokenOutput("b", [5], completion_tokens=1),
+            TokenOutput("a", [2], logprobs=[-2.0], completion_tokens=2),
+            TokenOutput("a", [3], logprobs=[-3.0], completion_tokens=3, finished_reason="length"),
+        ]
+    )
+    assert [o.rid for o in got] == ["a", "b"]
+    a = got[0]
+    assert (a.new_token_ids, a.logprobs, a.completion_tokens) == ([1, 2, 3], [-1.0, -2.0, -3.0], 3)
+    assert a.finished_reason == "length"

@@ -1,0 +1,201 @@
+"""Overlap scheduling with the real model runner on the tiny llama (CPU, in process): the same
+ids, greedy and seeded, as planning each step after the last one's result, for streaming
+requests that start, stop and are aborted at different steps; every KV slot free afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from srt import Engine
+from srt.managers.io_struct import BatchPlan, BatchResult, GenerateReq
+from srt.sampling_params import SamplingParams
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    params: dict[str, Any]
+    start_after: int = 0  # submitted once this many tokens have streamed out (all requests)
+    abort_after: int | None = None  # aborted once it has streamed this many tokens
+
+
+@dataclass
+class Stream:
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    reason: str | None = None
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> Iterator[Engine]:
+    # Small prefill budgets: long prompts are chunked and new requests split across steps.
+    with Engine(
+        model_path=str(tiny_llama),
+        device="cpu",
+        dtype="float32",
+        chunked_prefill_size=8,
+        max_prefill_tokens=16,
+    ) as eng:
+        yield eng
+
+
+def drive(engine: Engine, jobs: dict[str, Job], overlap: bool) -> dict[str, Stream]:
+    """Run `jobs` through the engine's scheduler and runner, as the scheduler process does."""
+    sched, runner = engine.scheduler, engine.runner
+    plans: list[BatchPlan] = []
+
+    def launch(plan: BatchPlan) -> Callable[[], BatchResult]:
+        plans.append(plan)
+        return runner.launch(plan).wait
+
+    streams = {rid: Stream() for rid in jobs}
+    unsent = list(jobs)
+    streamed = 0
+    for _ in range(10_000):
+        while unsent and jobs[unsent[0]].start_after <= streamed:
+            rid = unsent.pop(0)
+            params = SamplingParams.from_dict(jobs[rid].params)
+            sched.add_request(GenerateReq(rid, jobs[rid].prompt, params, stream=True))
+        if not unsent and not sched.has_work:
+            break
+        outputs = (
+            (sched.step_overlapped(launch) or [])
+            if overlap
+            else sched.step(launch_sync(runner, plans))
+        )
+        for out in outputs:
+            s = streams[out.rid]
+            assert s.reason is None, f"{out.rid}: an output after its end"
+            s.ids += out.new_token_ids
+            s.logprobs += out.logprobs
+            s.top += out.top_logprobs
+            streamed += len(out.new_token_ids)
+            s.reason = out.finished_reason
+            limit = jobs[out.rid].abort_after
+            if s.reason is None and limit is not None and len(s.ids) >= limit:
+                aborted = sched.abort(out.rid)
+                assert aborted is not None and aborted.new_token_ids == []
+                s.reason = aborted.finished_reason
+    assert all(s.reason is not None for s in streams.values())
+    assert not sched.has_work and not sched.reqs
+    if overlap:
+        assert any(p.input_from_prev is not None for p in plans), "no decode took a device id"
+    else:
+        assert all(p.input_from_prev is None for p in plans)
+    # Every slot back: held by no request, and free once the prefix cache is flushed.
+    assert sched.rows.available == sched.args.max_running_requests
+    assert sched.flush_cache()
+    assert sched.allocator.available == sched.allocator.capacity
+    return streams
+
+
+def launch_sync(runner: Any, plans: list[BatchPlan]) -> Callable[[BatchPlan], BatchResult]:
+    def forward(plan: BatchPlan) -> BatchResult:
+        plans.append(plan)
+        return runner.forward(plan)
+
+    return forward
+
+
+def test_overlap_gives_the_ids_of_one_step_at_a_time(engine: Engine) -> None:
+    vocab = engine.model_config.vocab_size
+    prompts = [
+        [(7 * i + 3 * j) % (vocab - 1) + 1 for j in range(n)]
+        for i, n in enumerate([3, 21, 9, 40, 5, 14, 30, 2])
+    ]
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    # Tokens the stop conditions are set to: ones a first run shows each request will produce.
+    probe = drive(
+        engine,
+        {
+            "stop": Job(prompts[2], {**greedy, "max_new_tokens": 12}),
+            "eos": Job(prompts[3], {**greedy, "max_new_tokens": 12}),
+        },
+        overlap=False,
+    )
+    stop_token, eos_token = probe["stop"].ids[4], probe["eos"].ids[6]
+    jobs = {
+        "greedy": Job(prompts[0], {**greedy, "max_new_tokens": 17}),
+        "long": Job(prompts[1], {**greedy, "max_new_tokens": 9}, start_after=3),
+        "stop": Job(prompts[2], {**greedy, "max_new_tokens": 12, "stop_token_ids": [stop_token]}),
+        "eos": Job(prompts[3], {"temperature": 0.0, "max_new_tokens": 12}, start_after=1),
+        "seeded": Job(
+            prompts[4],
+            {
+                "temperature": 0.9,
+                "top_p": 0.9,
+                "seed": 11,
+                "max_new_tokens": 15,
+                "ignore_eos": True,
+            },
+        ),
+        "seeded_late": Job(
+            prompts[5],
+            {
+                "temperature": 1.2,
+                "top_k": 20,
+                "seed": 2**40 + 5,
+                "max_new_tokens": 10,
+                "ignore_eos": True,
+            },
+            start_after=12,
+        ),
+        "aborted": Job(prompts[6], {**greedy, "max_new_tokens": 30}, abort_after=4),
+        "aborted_early": Job(
+            prompts[7], {**greedy, "max_new_tokens": 30}, start_after=5, abort_after=1
+        ),
+        "logprobs": Job(
+            prompts[0],
+            {**greedy, "max_new_tokens": 6, "logprobs": True, "top_logprobs_num": 3},
+            start_after=2,
+        ),
+        "one": Job(prompts[4], {**greedy, "max_new_tokens": 1}, start_after=4),
+    }
+    saved_eos = engine.scheduler.eos_token_ids
+    engine.scheduler.eos_token_ids = {eos_token}
+    try:
+        sync = drive(engine, jobs, overlap=False)
+        overlapped = drive(engine, jobs, overlap=True)
+    finally:
+        engine.scheduler.eos_token_ids = saved_eos
+    for rid in jobs:
+        assert overlapped[rid].ids == sync[rid].ids, rid
+        assert overlapped[rid].reason == sync[rid].reason, rid
+        assert overlapped[rid].logprobs == pytest.approx(sync[rid].logprobs, abs=1e-5), rid
+        assert [[t for t, _ in row] for row in overlapped[rid].top] == [
+            [t for t, _ in row] for row in sync[rid].top
+        ], rid
+    assert sync["stop"].reason == "stop" and sync["stop"].ids[-1] == stop_token
+    assert sync["eos"].reason == "stop" and sync["eos"].ids[-1] == eos_token
+    assert (sync["aborted"].reason, len(sync["aborted"].ids)) == ("abort", 4)
+    assert (sync["aborted_early"].reason, len(sync["aborted_early"].ids)) == ("abort", 1)
+    assert sync["greedy"].reason == "length" and len(sync["greedy"].ids) == 17
+    assert len(sync["one"].ids) == 1 and len(sync["seeded_late"].ids) == 10
+    assert len(sync["logprobs"].logprobs) == 6 and len(sync["logprobs"].top[0]) == 3
+
+
+@pytest.mark.gpu
+def test_overlap_on_cuda_gives_the_same_ids(tiny_llama: Path) -> None:
+    """On CUDA a step's ids come back through pinned memory and an event while the next step
+    runs. Requests that only stop at their length and all fit at once make the same batches
+    with and without overlap, so the ids are equal bit for bit (greedy and seeded)."""
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    jobs = {
+        f"r{i}": Job(
+            [(11 * i + 5 * j) % 500 + 1 for j in range(3 + 7 * i)],
+            {**greedy, "max_new_tokens": 4 + 3 * i}
+            if i % 2
+            else {"temperature": 0.8, "seed": i, "max_new_tokens": 4 + 3 * i, "ignore_eos": True},
+        )
+        for i in range(6)
+    }
+    with Engine(model_path=str(tiny_llama), device="cuda", dtype="float32") as eng:
+        sync = drive(eng, jobs, overlap=False)
+        overlapped = drive(eng, jobs, overlap=True)
+    assert {r: s.ids for r, s in overlapped.items()} == {r: s.ids for r, s in sync.items()}

@@ -1,0 +1,44 @@
+"""The per-step timeline: gaps between marks, the period between steps, a bounded ring."""
+
+from __future__ import annotations
+
+import time
+
+from srt.managers.timeline import StepTimeline
+
+
+def test_gaps_period_and_ring() -> None:
+    timeline = StepTimeline(("start", "sent", "done"), size=4)
+    assert timeline.summary() == {"steps": 0}
+    for _ in range(6):
+        timeline.begin()
+        time.sleep(0.002)
+        timeline.mark("sent")
+        timeline.mark("done")
+    timeline.begin()
+    timeline.discard()  # a turn that did nothing is not counted
+    summary = timeline.summary()
+    assert summary["steps"] == 6
+    assert summary["start_to_sent_ms"] >= 2.0  # the sleep is inside this gap
+    assert summary["sent_to_done_ms"] >= 0
+    assert summary["period_ms"] >= 2.0  # each period holds a sleep
+
+
+def test_marks_by_step_number_and_missing_gaps() -> None:
+    timeline = StepTimeline(("received", "launched", "result_sent"), size=8)
+    timeline.begin(1)
+    timeline.mark("launched")
+    timeline.begin(2)
+    timeline.mark("launched")
+    timeline.mark("result_sent", 1)  # step 1's result goes out once step 2 is launched
+    summary = timeline.summary()
+    assert set(summary) == {
+        "steps",
+        "received_to_launched_ms",
+        "launched_to_result_sent_ms",
+        "period_ms",
+    }
+    timeline.mark("result_sent", -20)  # fell out of the ring: ignored
+    only_start = StepTimeline(("a", "b"))
+    only_start.begin()
+    assert only_start.summary() == {"steps": 1}
