@@ -25,6 +25,7 @@ from compile_helpers import greedy_ids, max_logit_error, tc_engine
 
 from srt import Engine
 from srt.compilation.cache import pack_artifact, unpack_artifact
+from srt.compilation.piecewise_model import PiecewiseModel
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,11 @@ def test_inductor_pieces_match_the_uncompiled_model(
     info = compile_info(cold)
     assert info["compilers"] == ["inductor"] and info["cache_hit"] is False
     assert sources(info) == ["compiled", "compiled", "compiled"]
-    assert len(list((Path(info["cache_dir"]) / "pieces").glob("inductor-*.bin"))) == 3
+    entry = Path(info["cache_dir"])
+    assert len(list((entry / "pieces").glob("inductor-*.bin"))) == 3
+    assert (entry / "pieces" / "graph-inductor-t8192.bin").is_file()  # the trace, saved
+    # Inductor's precompiled header under the root, not in $TMPDIR.
+    assert list((entry.parent / "inductor" / "precompiled_headers").glob("*.gch"))
     assert greedy_ids(cold) == reference
     assert max_logit_error(cold.runner) <= 1e-4
 
@@ -78,11 +83,18 @@ def test_a_warm_start_compiles_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     calls = count_inductor_compiles(monkeypatch)
+
+    def traced(*args: object) -> None:
+        raise AssertionError("traced with Dynamo")
+
+    monkeypatch.setattr(PiecewiseModel, "_trace", traced)
     with caplog.at_level(logging.INFO, logger="srt.compilation"):
         with tc_engine(tiny_llama, cache_root, "inductor") as warm:
             info = compile_info(warm)
             assert greedy_ids(warm) == reference
+            assert max_logit_error(warm.runner) <= 1e-4
     assert calls == []
+    assert (info["graph_source"], info["traces"], info["dynamo_s"]) == ("loaded", 0, 0.0)
     assert info["cache_dir"] == compile_info(cold)["cache_dir"]
     assert info["cache_hit"] is True and sources(info) == ["loaded"] * 3
     assert "loaded from the cache" in caplog.text and "compile cache" in caplog.text
