@@ -350,13 +350,15 @@ def test_a_graph_break_fails_the_trace(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_shape_guards_are_dropped_unless_kept(tmp_path: Path, keep: bool) -> None:
-    model = toy_model(tmp_path, keep_shape_guards=keep)
-    model.trace(*tokens(8))
-    dispatcher = BucketDispatcher(model.general("eager"))
-    assert model(*tokens(64), dispatcher, None).shape == (64, 8)
-    if keep:  # debugging: a size outside the traced range [2, 64] fails, naming the guard
-        with pytest.raises(RuntimeError, match=r"GuardManager check failed(.|\n)*<= 64"):
-            model(*tokens(1), dispatcher, None)
-    else:
-        expected = model.model(*tokens(1))
-        torch.testing.assert_close(model(*tokens(1), dispatcher, None), expected)
+    for source in ("traced", "loaded"):  # the guards saved with the trace come back with it
+        model = toy_model(tmp_path, keep_shape_guards=keep)
+        model.trace(*tokens(8))
+        assert model.graph_source == source
+        dispatcher = BucketDispatcher(model.general("eager"))
+        assert model(*tokens(64), dispatcher, None).shape == (64, 8)
+        if keep:  # debugging: a size outside the traced range [2, 64] fails, naming the guard
+            with pytest.raises(RuntimeError, match=r"GuardManager check failed(.|\n)*<= 64"):
+                model(*tokens(1), dispatcher, None)
+        else:
+            expected = model.model(*tokens(1))
+            torch.testing.assert_close(model(*tokens(1), dispatcher, None), expected)

@@ -140,10 +140,13 @@ class CompiledForward(SerializableCallable):
     piece signatures, which name the pieces' artifacts; a restored one routes nothing until
     `PiecewiseBackend.restore` has loaded its pieces."""
 
-    def __init__(self, split: SplitGraph, signatures: list[str]) -> None:
+    def __init__(
+        self, split: SplitGraph, signatures: list[str], saved: bytes | None = None
+    ) -> None:
         self.split = split
         self.signatures = signatures
-        self.saved = pickle.dumps((split, signatures))  # before the router's slots go in
+        # Pickled now, before the router's slots shadow the pieces (or kept, as loaded).
+        self.saved = saved if saved is not None else pickle.dumps((split, signatures))
 
     def __call__(self, *args: Any) -> Any:
         return self.split.module(*args)
@@ -155,7 +158,7 @@ class CompiledForward(SerializableCallable):
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> CompiledForward:
         split, signatures = pickle.loads(data)
-        return cls(split, signatures)
+        return cls(split, signatures, data)
 
 
 class PiecewiseBackend:
@@ -234,7 +237,7 @@ class PiecewiseBackend:
 
         if not self._set_pieces(split, forward.signatures, load):
             logger.info("compile cache: no usable artifact %s; tracing again", missing[0])
-            self.general, self.pieces_info, self.signatures = {}, [], []
+            self.pieces_info, self.signatures = [], []
             return False
         self.compile_s = time.perf_counter() - start
         return True

@@ -109,9 +109,10 @@ class PiecewiseModel:
         inductor = self.cache.inductor_session() if "inductor" in self.compilers else nullcontext()
         start = time.perf_counter()
         with torch.inference_mode(), inductor:
+            before = time.perf_counter()
             forward = self._load()
             loaded = time.perf_counter()
-            self.graph_load_s = loaded - start
+            self.graph_load_s = loaded - before
             if forward is not None:
                 self.graph_source = "loaded"
                 self.graph_load_s -= self.backend.compile_s  # the pieces' share
