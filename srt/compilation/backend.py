@@ -6,18 +6,16 @@ that can be saved and, on a warm start, restored (its pieces loaded) without Dyn
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
 from torch import fx
 from torch._dispatch.python import enable_python_dispatcher
-from torch._dynamo.aot_compile_types import SerializableCallable
 from torch._guards import detect_fake_mode
 from torch._logging import trace_structured
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -30,6 +28,9 @@ from srt.compilation.dispatch import PieceFn, Router
 from srt.compilation.errors import ShapeSpecializationError
 from srt.compilation.piece_compiler import CompiledPiece, compile_piece, load_piece
 from srt.compilation.split import SplitGraph, piece_signature, readable_graph, split_graph
+
+if TYPE_CHECKING:
+    from srt.compilation.compiled_forward import CompiledForward
 
 logger = logging.getLogger(__name__)
 
@@ -134,33 +135,6 @@ def _piece_args(
     return recorded
 
 
-class CompiledForward(SerializableCallable):
-    """What Dynamo's code for the forward calls: the split graph, its pieces routed. It saves
-    as the split graph before routing (a GraphModule pickles as its Python code) and the
-    piece signatures, which name the pieces' artifacts; a restored one routes nothing until
-    `PiecewiseBackend.restore` has loaded its pieces."""
-
-    def __init__(
-        self, split: SplitGraph, signatures: list[str], saved: bytes | None = None
-    ) -> None:
-        self.split = split
-        self.signatures = signatures
-        # Pickled now, before the router's slots shadow the pieces (or kept, as loaded).
-        self.saved = saved if saved is not None else pickle.dumps((split, signatures))
-
-    def __call__(self, *args: Any) -> Any:
-        return self.split.module(*args)
-
-    @classmethod
-    def serialize_compile_artifacts(cls, fn: CompiledForward) -> bytes:
-        return fn.saved
-
-    @classmethod
-    def deserialize_compile_artifacts(cls, data: bytes) -> CompiledForward:
-        split, signatures = pickle.loads(data)
-        return cls(split, signatures, data)
-
-
 class PiecewiseBackend:
     def __init__(
         self,
@@ -209,6 +183,8 @@ class PiecewiseBackend:
             len(split.pieces),
             len(split.regions),
         )
+        from srt.compilation.compiled_forward import CompiledForward  # Dynamo, loaded by now
+
         args = _piece_args(split, example_inputs, fake_mode)
         signatures = [piece_signature(split.submodule(name), args[name]) for name in split.pieces]
         forward = CompiledForward(split, signatures)

@@ -33,22 +33,19 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch._dynamo.aot_compile import AOTCompiledFunction
 
-from srt.compilation.backend import (
-    MIN_TOKENS,
-    CompiledForward,
-    PiecewiseBackend,
-    recording_token_decisions,
-)
+from srt.compilation.backend import MIN_TOKENS, PiecewiseBackend, recording_token_decisions
 from srt.compilation.cache import CompileCache
 from srt.compilation.custom_ops import split_ops
 from srt.compilation.dispatch import BucketDispatcher, PieceFn, Router
 from srt.compilation.errors import CompilationError, GraphBreakError, ShapeSpecializationError
+
+if TYPE_CHECKING:  # both import Dynamo, which only tracing or loading needs
+    from torch._dynamo.aot_compile import AOTCompiledFunction
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +62,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _load_capture(path: Path) -> AOTCompiledFunction:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
     return AOTCompiledFunction.deserialize(path.read_bytes())
 
 
@@ -146,6 +145,8 @@ class PiecewiseModel:
         saved = self.cache.load_artifact(self.capture_name, _load_capture)
         if saved is None:
             return None
+        from srt.compilation.compiled_forward import CompiledForward
+
         # The deserialised backend output: the split graph, to route through loaded pieces.
         forward = saved._artifacts.compiled_fn
         if not isinstance(forward, CompiledForward) or not self.backend.restore(forward):
@@ -153,6 +154,8 @@ class PiecewiseModel:
         return saved
 
     def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor) -> AOTCompiledFunction:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
         for t in (input_ids, positions):
             torch._dynamo.mark_dynamic(t, 0, min=MIN_TOKENS, max=self.max_tokens)
         # torch 2.11 attaches `aot_compile` to the compiled function only with this flag on.
