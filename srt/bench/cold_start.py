@@ -92,6 +92,7 @@ def startup_breakdown(ready_s: float, info: dict[str, Any]) -> dict[str, float |
         "runner_setup_s": setup,
         "runner_load_s": runner_info.get("load_s"),
         "runner_dynamo_s": compile_info.get("dynamo_s"),
+        "runner_graph_load_s": compile_info.get("graph_load_s"),  # the trace, when loaded
         "runner_inductor_s": compile_info.get("compile_s"),
         "runner_kv_alloc_s": runner_info.get("kv_alloc_s"),
         "runner_upfront_capture_s": captured,
@@ -211,7 +212,14 @@ def measure_start(
             "steady": steady_runs,
             "compile": {
                 k: after["compile"].get(k)
-                for k in ("dynamo_s", "compile_s", "total_s", "cache_hit")
+                for k in (
+                    "graph_source",
+                    "dynamo_s",
+                    "graph_load_s",
+                    "compile_s",
+                    "total_s",
+                    "cache_hit",
+                )
             },
             "graph_pool": runner.get("graph_pool"),
             "graphs": after.get("graphs"),

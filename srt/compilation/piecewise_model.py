@@ -44,7 +44,7 @@ from srt.compilation.custom_ops import split_ops
 from srt.compilation.dispatch import BucketDispatcher, PieceFn, Router
 from srt.compilation.errors import CompilationError, GraphBreakError, ShapeSpecializationError
 
-if TYPE_CHECKING:  # both import Dynamo, which only tracing or loading needs
+if TYPE_CHECKING:  # imports Dynamo, which only tracing or loading needs
     from torch._dynamo.aot_compile import AOTCompiledFunction
 
 logger = logging.getLogger(__name__)
