@@ -11,7 +11,8 @@ included; a root that already exists with a looser mode is used, with a warning)
         factors.json            the four factors the key hashes (read it to see why a key changed)
         computation_graph.py    the split graph as readable Python, every piece named
         manifest.json           buckets actually hit, per phase (prewarms a later start)
-        pieces/<name>.bin       a compiled piece: header (entry, name, size, sha256) + payload
+        pieces/<name>.bin       a compiled piece or the saved trace: header (entry, name, size,
+                                sha256) + payload
         inductor/               Inductor's own cache while we compile or load (its C++ builds)
         inductor-files.json     size and sha256 of every file in inductor/, checked before use
         entry.lock              held while compiling or loading pieces (one process at a time)
