@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import shutil
 import stat
 import subprocess
@@ -25,6 +26,7 @@ from compile_helpers import greedy_ids, max_logit_error, tc_engine
 
 from srt import Engine
 from srt.compilation.cache import pack_artifact, unpack_artifact
+from srt.compilation.piecewise_model import PiecewiseModel
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,11 @@ def test_inductor_pieces_match_the_uncompiled_model(
     info = compile_info(cold)
     assert info["compilers"] == ["inductor"] and info["cache_hit"] is False
     assert sources(info) == ["compiled", "compiled", "compiled"]
-    assert len(list((Path(info["cache_dir"]) / "pieces").glob("inductor-*.bin"))) == 3
+    entry = Path(info["cache_dir"])
+    assert len(list((entry / "pieces").glob("inductor-*.bin"))) == 3
+    assert (entry / "pieces" / "graph-inductor-t8192.bin").is_file()  # the trace, saved
+    # Inductor's precompiled header under the root, not in $TMPDIR.
+    assert list((entry.parent / "inductor" / "precompiled_headers").glob("*.gch"))
     assert greedy_ids(cold) == reference
     assert max_logit_error(cold.runner) <= 1e-4
 
@@ -78,11 +84,18 @@ def test_a_warm_start_compiles_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     calls = count_inductor_compiles(monkeypatch)
+
+    def traced(*args: object) -> None:
+        raise AssertionError("traced with Dynamo")
+
+    monkeypatch.setattr(PiecewiseModel, "_trace", traced)
     with caplog.at_level(logging.INFO, logger="srt.compilation"):
         with tc_engine(tiny_llama, cache_root, "inductor") as warm:
             info = compile_info(warm)
             assert greedy_ids(warm) == reference
+            assert max_logit_error(warm.runner) <= 1e-4
     assert calls == []
+    assert (info["graph_source"], info["traces"], info["dynamo_s"]) == ("loaded", 0, 0.0)
     assert info["cache_dir"] == compile_info(cold)["cache_dir"]
     assert info["cache_hit"] is True and sources(info) == ["loaded"] * 3
     assert "loaded from the cache" in caplog.text and "compile cache" in caplog.text
@@ -120,12 +133,15 @@ def test_corrupted_artifacts_are_detected_and_recompiled(
     header.update(bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
     garbled.write_bytes(pack_artifact(header, payload))
     calls = count_inductor_compiles(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="srt.compilation.cache"):
+    with caplog.at_level(logging.INFO, logger="srt.compilation"):
         with tc_engine(tiny_llama, root, "inductor") as again:
             info = compile_info(again)
             assert greedy_ids(again) == reference
             assert max_logit_error(again.runner) <= 1e-4
     assert len(calls) == 3 and info["cache_hit"] is False
+    # The saved trace is sound, but its pieces are not: traced again, not routed half-loaded.
+    assert info["graph_source"] == "traced"
+    assert re.search(r"no usable artifact inductor-\w+-t8192; tracing again", caplog.text)
     assert sources(info) == ["compiled", "compiled", "compiled"]
     reasons = {Path(m.split()[3]).name: m for m in warnings_about(caplog, "corrupted or mism")}
     assert set(reasons) == {truncated.name, flipped.name, garbled.name}

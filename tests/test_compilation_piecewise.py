@@ -6,6 +6,8 @@ errors for models that cannot be traced once."""
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -109,7 +111,9 @@ def test_no_tc_phase_still_reports_the_split_ops(tiny_llama: Path) -> None:
         "split_ops": ["srt::attention"],
         "num_pieces": 0,
         "num_split_regions": 0,
+        "graph_source": None,
         "dynamo_s": 0.0,
+        "graph_load_s": 0.0,
         "compile_s": 0.0,
         "total_s": 0.0,
         "cache_dir": None,
@@ -137,6 +141,68 @@ def test_greedy_ids_and_logits_match_the_uncompiled_model(
 ) -> None:
     assert greedy_ids(engine) == reference
     assert max_logit_error(engine.runner) <= 1e-5
+
+
+# ---- warm start: the saved graph instead of the trace ------------------------------------------
+
+
+def no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make a Dynamo trace fail the test."""
+
+    def traced(*args: object) -> None:
+        raise AssertionError("traced with Dynamo")
+
+    monkeypatch.setattr(PiecewiseModel, "_trace", traced)
+
+
+def test_a_warm_start_loads_the_graph_instead_of_tracing(
+    engine: Engine,
+    tiny_llama: Path,
+    cache_root: Path,
+    reference: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cold = compile_info(engine)
+    assert (cold["graph_source"], cold["graph_load_s"]) == ("traced", 0.0)
+    assert (Path(cold["cache_dir"]) / "pieces" / "graph-eager-t8192.bin").is_file()
+    no_trace(monkeypatch)
+    with tc_engine(tiny_llama, cache_root, "eager") as warm:
+        info = compile_info(warm)
+        assert greedy_ids(warm) == reference
+        assert max_logit_error(warm.runner) <= 1e-5
+        runner = warm.runner
+        with torch.inference_mode():  # every size, and no Dynamo behind any of them
+            for n in (1, 3, 20):
+                runner.forward_logits(make_batch(runner, ForwardMode.EXTEND, [[3] * n], [0]))
+    assert info["cache_dir"] == cold["cache_dir"]
+    assert (info["graph_source"], info["traces"], info["dynamo_s"]) == ("loaded", 0, 0.0)
+    assert info["graph_load_s"] > 0 and info["total_s"] >= info["graph_load_s"]
+    assert [p["signature"] for p in info["pieces"]] == [p["signature"] for p in cold["pieces"]]
+    assert (info["num_pieces"], info["num_split_regions"]) == (3, 2)
+
+
+def test_a_damaged_saved_graph_is_traced_again(
+    engine: Engine,
+    tiny_llama: Path,
+    reference: list[list[int]],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    entry = Path(compile_info(engine)["cache_dir"])
+    root = tmp_path / "root"
+    shutil.copytree(entry, root / entry.name)
+    saved = root / entry.name / "pieces" / "graph-eager-t8192.bin"
+    data = bytearray(saved.read_bytes())
+    data[-100] ^= 0xFF  # inside the payload: the checksum no longer matches
+    saved.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING), tc_engine(tiny_llama, root, "eager") as again:
+        info = compile_info(again)
+        assert greedy_ids(again) == reference
+    assert (info["graph_source"], info["traces"]) == ("traced", 1)
+    assert f"artifact {saved} is corrupted or mismatched (ValueError: checksum" in caplog.text
+    assert saved.read_bytes() != bytes(data)  # written again, whole
+    with tc_engine(tiny_llama, root, "eager") as third:
+        assert compile_info(third)["graph_source"] == "loaded"
 
 
 def test_bucket_states_and_the_manifest(tiny_llama: Path, tmp_path: Path) -> None:
@@ -284,13 +350,15 @@ def test_a_graph_break_fails_the_trace(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_shape_guards_are_dropped_unless_kept(tmp_path: Path, keep: bool) -> None:
-    model = toy_model(tmp_path, keep_shape_guards=keep)
-    model.trace(*tokens(8))
-    dispatcher = BucketDispatcher(model.general("eager"))
-    assert model(*tokens(64), dispatcher, None).shape == (64, 8)
-    if keep:  # debugging: a size outside the traced range [2, 64] fails, naming the guard
-        with pytest.raises(RuntimeError, match=r"fail_on_recompile(.|\n)*<= 64"):
-            model(*tokens(1), dispatcher, None)
-    else:
-        expected = model.compiled._orig_mod(*tokens(1))
-        torch.testing.assert_close(model(*tokens(1), dispatcher, None), expected)
+    for source in ("traced", "loaded"):  # the guards saved with the trace come back with it
+        model = toy_model(tmp_path, keep_shape_guards=keep)
+        model.trace(*tokens(8))
+        assert model.graph_source == source
+        dispatcher = BucketDispatcher(model.general("eager"))
+        assert model(*tokens(64), dispatcher, None).shape == (64, 8)
+        if keep:  # debugging: a size outside the traced range [2, 64] fails, naming the guard
+            with pytest.raises(RuntimeError, match=r"GuardManager check failed(.|\n)*<= 64"):
+                model(*tokens(1), dispatcher, None)
+        else:
+            expected = model.model(*tokens(1))
+            torch.testing.assert_close(model(*tokens(1), dispatcher, None), expected)

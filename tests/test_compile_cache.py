@@ -280,6 +280,41 @@ def test_inductor_files_are_checked_against_the_index(
     assert "removed 1 file(s)" in caplog.text and "gh/cgh.main.so" in caplog.text
 
 
+def test_tool_caches_go_under_the_root_unless_set_at_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in cache_module.TOOL_CACHE_DIRS:  # restored after the test
+        monkeypatch.setenv(name, "before")
+    monkeypatch.setattr(
+        cache_module, "LAUNCH_TOOL_CACHE_DIRS", dict.fromkeys(cache_module.TOOL_CACHE_DIRS)
+    )
+    cache = CompileCache(tmp_path / "root", factors())
+    root = cache.root
+    assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
+    assert {stat.S_IMODE((root / d).stat().st_mode) for d in ("triton", "inductor")} == {0o700}
+    from torch._inductor import codecache
+
+    monkeypatch.setattr(codecache, "_HEADER_DIR", codecache._HEADER_DIR)
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", codecache._HEADER_LOCK_DIR)
+    with cache.inductor_session():  # Inductor's precompiled headers, else under $TMPDIR
+        assert codecache._HEADER_DIR == str(root / "inductor" / "precompiled_headers")
+        assert codecache._HEADER_LOCK_DIR == str(
+            root / "inductor" / "precompiled_headers" / "locks"
+        )
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache.inductor_dir)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
+    # A location the user launched with stays, and the log says where it is.
+    user = str(tmp_path / "mine")
+    monkeypatch.setenv("TRITON_CACHE_DIR", user)
+    monkeypatch.setitem(cache_module.LAUNCH_TOOL_CACHE_DIRS, "TRITON_CACHE_DIR", user)
+    with caplog.at_level(logging.INFO, logger="srt.compilation.cache"):
+        other = CompileCache(tmp_path / "other", factors())
+    assert os.environ["TRITON_CACHE_DIR"] == user and not (other.root / "triton").exists()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(other.root / "inductor")
+    assert f"TRITON_CACHE_DIR={user} as set at launch" in caplog.text
+
+
 def test_every_path_of_an_entry_is_private(tmp_path: Path) -> None:
     cache = CompileCache(tmp_path / "root", factors())
     save(cache, "piece", b"code")

@@ -12,9 +12,10 @@ the first burst's time to the second token (prefill and first decode step, when 
 captured) against the second burst's, beside the server's own capture ms for that bucket;
 steady ITL at concurrency 1 and 32; graph memory; a timeline of every token's latency.
 
-Each configuration gets its own cache root, with Triton's and Inductor's caches inside it
-(`TRITON_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`), so the cold start is cold all the way down
-and the warm one finds everything the cold one wrote.
+Each configuration gets its own `--compile-cache-dir`; the server keeps Triton's and
+Inductor's caches under it (the benchmark clears `TRITON_CACHE_DIR` and
+`TORCHINDUCTOR_CACHE_DIR` for the server, which would otherwise take them elsewhere), so the
+cold start is cold all the way down and the warm one finds everything the cold one wrote.
 
 A real checkpoint on disk is the honest case (`python -m srt.tools.make_random_checkpoint`);
 `--model-shape` uses random weights drawn on the device, which skips the load.
@@ -132,13 +133,11 @@ def measure_start(
     name: str, flags: list[str], cache: Path, state: str, ns: argparse.Namespace, log_dir: Path
 ) -> dict[str, Any]:
     """One server start and its traffic; the figures of one (configuration, cache) row."""
-    env = {
-        "TRITON_CACHE_DIR": str(cache / "triton"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-    }
+    # Unset, the server puts them under `cache`; set, they would outlive the cold start.
+    env: dict[str, str | None] = {"TRITON_CACHE_DIR": None, "TORCHINDUCTOR_CACHE_DIR": None}
     log = log_dir / f"{name}-{state}.log"
     row: dict[str, Any] = {"config": name, "flags": flags, "cache": state, "log": str(log)}
-    with ServerProcess([*flags, "--compile-cache-dir", str(cache / "srt")], log, env=env) as server:
+    with ServerProcess([*flags, "--compile-cache-dir", str(cache)], log, env=env) as server:
         try:
             ready_s = server.wait_ready(ns.ready_timeout)
         except (RuntimeError, TimeoutError) as e:
@@ -195,7 +194,14 @@ def measure_start(
             "steady": steady_runs,
             "compile": {
                 k: after["compile"].get(k)
-                for k in ("dynamo_s", "compile_s", "total_s", "cache_hit")
+                for k in (
+                    "graph_source",
+                    "dynamo_s",
+                    "graph_load_s",
+                    "compile_s",
+                    "total_s",
+                    "cache_hit",
+                )
             },
             "graph_pool": runner.get("graph_pool"),
             "graphs": after.get("graphs"),

@@ -1,15 +1,16 @@
 """The torch.compile backend: Dynamo hands it the traced forward once; it checks that the graph
 is general in the token count, splits it, compiles each distinct piece once per compiler, and
-returns the split graph with its pieces replaced by `Router` slots."""
+returns the split graph with its pieces replaced by `Router` slots, as a `CompiledForward`
+that can be saved and, on a warm start, restored (its pieces loaded) without Dynamo."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
@@ -25,8 +26,11 @@ from srt.compilation.cache import CompileCache
 from srt.compilation.custom_ops import split_ops
 from srt.compilation.dispatch import PieceFn, Router
 from srt.compilation.errors import ShapeSpecializationError
-from srt.compilation.piece_compiler import compile_piece
+from srt.compilation.piece_compiler import CompiledPiece, compile_piece, load_piece
 from srt.compilation.split import SplitGraph, piece_signature, readable_graph, split_graph
+
+if TYPE_CHECKING:
+    from srt.compilation.compiled_forward import CompiledForward
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +168,7 @@ class PiecewiseBackend:
         ]
         return all(s == "loaded" for s in sources) if sources else None
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> CompiledForward:
         start = time.perf_counter()
         self.traces += 1
         fake_mode = detect_fake_mode(example_inputs)
@@ -179,16 +183,61 @@ class PiecewiseBackend:
             len(split.pieces),
             len(split.regions),
         )
+        from srt.compilation.compiled_forward import CompiledForward  # Dynamo, loaded by now
+
         args = _piece_args(split, example_inputs, fake_mode)
-        self.signatures = [
-            piece_signature(split.submodule(name), args[name]) for name in split.pieces
-        ]
+        signatures = [piece_signature(split.submodule(name), args[name]) for name in split.pieces]
+        forward = CompiledForward(split, signatures)
+        self._set_pieces(
+            split,
+            signatures,
+            lambda compiler, name, artifact: compile_piece(
+                compiler, split.submodule(name), args[name], self.cache, artifact
+            ),
+        )
+        self.compile_s = time.perf_counter() - start
+        return forward
+
+    def restore(self, forward: CompiledForward) -> bool:
+        """Route a saved forward's pieces, each loaded from the cache (nothing traced or
+        compiled); False, routing nothing, when the cache lacks one of them."""
+        start = time.perf_counter()
+        split = forward.split
+        missing: list[str] = []
+
+        def load(compiler: str, name: str, artifact: str) -> CompiledPiece | None:
+            piece = load_piece(compiler, split.submodule(name), self.cache, artifact)
+            if piece is None:
+                missing.append(artifact)
+            return piece
+
+        if not self._set_pieces(split, forward.signatures, load):
+            logger.info("compile cache: no usable artifact %s; tracing again", missing[0])
+            self.pieces_info, self.signatures = [], []
+            return False
+        self.compile_s = time.perf_counter() - start
+        return True
+
+    def _set_pieces(
+        self,
+        split: SplitGraph,
+        signatures: list[str],
+        build: Callable[[str, str, str], CompiledPiece | None],
+    ) -> bool:
+        """Build (`build(compiler, submodule, artifact name)`) each distinct piece per compiler
+        and route the split graph through them; False, routing nothing, if one gives None."""
+        self.signatures = signatures
         self.pieces_info = [
             {"piece": i, "submodule": name, "signature": sig}
-            for i, (name, sig) in enumerate(zip(split.pieces, self.signatures, strict=True))
+            for i, (name, sig) in enumerate(zip(split.pieces, signatures, strict=True))
         ]
+        general = {}
         for compiler in self.compilers:
-            self.general[compiler] = self._compile_pieces(compiler, split, args)
+            fns = self._pieces(compiler, split, build)
+            if fns is None:
+                return False
+            general[compiler] = fns
+        self.general = general
         for i, name in enumerate(split.pieces):
             # The instance attribute shadows the submodule: the split graph's code calls
             # `self.submod_N(...)`, which now goes through the router.
@@ -203,12 +252,14 @@ class PiecewiseBackend:
             metadata_fn=lambda: {"name": "srt_computation_graph", "encoding": "string"},
             payload_fn=lambda: text,
         )
-        self.compile_s = time.perf_counter() - start
-        return split.module
+        return True
 
-    def _compile_pieces(
-        self, compiler: str, split: SplitGraph, args: dict[str, tuple[Any, ...]]
-    ) -> list[PieceFn]:
+    def _pieces(
+        self,
+        compiler: str,
+        split: SplitGraph,
+        build: Callable[[str, str, str], CompiledPiece | None],
+    ) -> list[PieceFn] | None:
         first_with: dict[str, int] = {}  # signature -> first piece that has it
         fns: list[PieceFn] = []
         for i, name in enumerate(split.pieces):
@@ -229,13 +280,10 @@ class PiecewiseBackend:
                 )
                 continue
             first_with[sig] = i
-            piece = compile_piece(
-                compiler,
-                split.submodule(name),
-                args[name],
-                self.cache,
-                f"{compiler}-{sig}-t{self.max_tokens}",  # the token range shapes codegen
-            )
+            # The token range shapes codegen, so it is part of the name.
+            piece = build(compiler, name, f"{compiler}-{sig}-t{self.max_tokens}")
+            if piece is None:
+                return None
             fns.append(piece.fn)
             self.pieces_info[i][compiler] = {"source": piece.source, "s": round(piece.seconds, 3)}
             logger.info(

@@ -4,12 +4,16 @@ Layout, everything private to the user (directories 0700, files 0600, Inductor's
 included; a root that already exists with a looser mode is used, with a warning):
 
     <root>/                     --compile-cache-dir (default ~/.cache/srt/compile)
+      triton/                   TRITON_CACHE_DIR: Triton's kernel cache, shared by every entry
+      inductor/                 TORCHINDUCTOR_CACHE_DIR outside a session, shared by every entry
+        precompiled_headers/    Inductor's C++ precompiled headers (else under $TMPDIR)
       <key>/                    one entry per cache key
         factors.json            the four factors the key hashes (read it to see why a key changed)
         computation_graph.py    the split graph as readable Python, every piece named
         manifest.json           buckets actually hit, per phase (prewarms a later start)
-        pieces/<name>.bin       a compiled piece: header (entry, name, size, sha256) + payload
-        inductor/               Inductor's own cache while we compile or load (C++/Triton builds)
+        pieces/<name>.bin       a compiled piece or the saved trace: header (entry, name, size,
+                                sha256) + payload
+        inductor/               Inductor's own cache while we compile or load (its C++ builds)
         inductor-files.json     size and sha256 of every file in inductor/, checked before use
         entry.lock              held while compiling or loading pieces (one process at a time)
         manifest.json.lock      held while a process merges a bucket into the manifest
@@ -22,6 +26,12 @@ runtime). Nothing is loaded that this cache did not write for this entry: an art
 written for another entry or another piece, damaged, or failing to load is logged, removed
 and recompiled; a file in Inductor's directory that the index does not vouch for is removed
 and rebuilt.
+
+Triton's cache and Inductor's precompiled headers are shared across entries: both are
+content-addressed by their tools (a new config reuses what an old one built), and neither
+can crash the process (Triton replaces its files atomically; the C++ compiler checks a
+precompiled header and ignores one that does not match). A variable the user set when
+launching (`TRITON_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`) is respected, and the log says so.
 """
 
 from __future__ import annotations
@@ -54,6 +64,11 @@ SRT_ROOT = Path(__file__).resolve().parent.parent
 # the compiler factor already pins the versions, so neither is part of the key.
 ENV_PREFIXES = ("TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_")
 ENV_LOCATION_SUFFIXES = ("CACHE_DIR", "_PATH")
+# The tools' cache locations, as the process was launched: srt points them under the compile
+# cache root only where the user left them unset (it sets them itself later in the process,
+# and Inductor writes its default into TORCHINDUCTOR_CACHE_DIR on first use).
+TOOL_CACHE_DIRS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+LAUNCH_TOOL_CACHE_DIRS = {name: os.environ.get(name) for name in TOOL_CACHE_DIRS}
 
 
 def default_cache_root() -> Path:
@@ -208,6 +223,40 @@ def collect_factors(
     )
 
 
+def point_tool_caches(root: Path) -> dict[str, str]:
+    """Point Triton's and Inductor's caches under `root` (`<root>/triton`, `<root>/inductor`)
+    for this process, each unless the user set it at launch; returns where each now is.
+    Both tools read the variable when they compile (Triton per kernel, Inductor per cache
+    access), so setting it before the first compile is enough."""
+    where = {}
+    for name, sub in TOOL_CACHE_DIRS.items():
+        chosen = LAUNCH_TOOL_CACHE_DIRS[name]
+        if chosen:
+            logger.info("compile cache: %s=%s as set at launch (not under %s)", name, chosen, root)
+        else:
+            chosen = str(make_private_dir(root / sub))
+            os.environ[name] = chosen
+        where[name] = chosen
+    return where
+
+
+def point_precompiled_headers(directory: Path) -> None:
+    """Have Inductor build its C++ precompiled headers in `directory`. Inductor puts them
+    under `$TMPDIR` whatever TORCHINDUCTOR_CACHE_DIR says (a module constant, computed at its
+    import, in torch 2.11 and 2.13), so a new machine or a cleaned /tmp rebuilds them; the
+    constant is read on each use, so setting it before the first compile moves them."""
+    from torch._inductor import codecache
+
+    if not hasattr(codecache, "_HEADER_DIR"):
+        logger.warning(
+            "compile cache: this torch keeps Inductor's precompiled headers elsewhere; they "
+            "stay where torch puts them"
+        )
+        return
+    codecache._HEADER_DIR = str(make_private_dir(directory))
+    codecache._HEADER_LOCK_DIR = str(make_private_dir(directory / "locks"))
+
+
 def make_private_dir(path: Path) -> Path:
     """Create `path` (parents as usual) with mode 0700, or make an existing one 0700."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -291,6 +340,8 @@ class CompileCache:
         else:
             make_private_dir(root)
         self.root = root
+        self.tool_dirs = point_tool_caches(root)
+        self.headers_dir = Path(self.tool_dirs["TORCHINDUCTOR_CACHE_DIR"]) / "precompiled_headers"
         self.key = factors.key()
         self.dir = make_private_dir(self.root / self.key)
         self.pieces_dir = make_private_dir(self.dir / "pieces")
@@ -308,8 +359,9 @@ class CompileCache:
     def artifact_path(self, name: str) -> Path:
         return self.pieces_dir / f"{name}.bin"
 
-    def save_artifact(self, name: str, save: Callable[[Path], None]) -> None:
-        """`save(path)` writes the artifact; it is stored bound to this entry and `name`."""
+    def save_artifact(self, name: str, save: Callable[[Path], object]) -> None:
+        """`save(path)` writes the artifact (what it returns is ignored); it is stored bound
+        to this entry and `name`."""
         with tempfile.TemporaryDirectory(dir=self.pieces_dir) as tmp:  # private (0700)
             staged = Path(tmp) / name
             save(staged)
@@ -357,8 +409,10 @@ class CompileCache:
 
     @contextmanager
     def inductor_session(self) -> Iterator[None]:
-        """Compile or load Inductor pieces inside this: Inductor's own cache (C++ / Triton
-        builds, its FX graph cache) is the entry's `inductor/` directory.
+        """Compile or load Inductor pieces inside this: Inductor's own cache (its C++ builds
+        and FX graph cache; Triton's kernels go to TRITON_CACHE_DIR) is the entry's
+        `inductor/` directory, whatever TORCHINDUCTOR_CACHE_DIR says outside the session:
+        the builds the entry's artifacts load are checked against its index.
 
         One process at a time holds the entry (a second server waits, then loads what the
         first compiled). Before anything loads from `inductor/`, every file there is checked
@@ -371,6 +425,7 @@ class CompileCache:
 
         waiting = f"compile cache: waiting for another process compiling into {self.dir}"
         with locked(self.dir / "entry.lock", waiting):
+            point_precompiled_headers(self.headers_dir)
             self._check_inductor_files()
             try:
                 with temporary_cache_dir(str(self.inductor_dir)):
@@ -414,7 +469,10 @@ class CompileCache:
             )
 
     def _make_inductor_files_private(self) -> None:
-        for path in _tree(self.inductor_dir):  # Inductor writes 0755 / 0644
+        ours = [self.inductor_dir]
+        if self.headers_dir.is_relative_to(self.root):  # not in a directory the user chose
+            ours.append(self.headers_dir)
+        for path in (p for d in ours for p in _tree(d)):  # Inductor writes 0755 / 0644
             if not path.is_symlink():
                 path.chmod(0o700 if path.is_dir() else 0o600)
 

@@ -5,7 +5,8 @@
 Inductor: a piece that differs only there points at the trace, not the code generation.
 `inductor` goes through `torch._inductor.standalone_compile`
 with the piece's symbolic shapes (`dynamic_shapes="from_graph"`), and the result is saved as a
-`CompiledArtifact` in the compile cache; a warm start loads it back without compiling. Run both
+`CompiledArtifact` in the compile cache; a warm start loads it back without compiling (`load_piece`,
+which a warm start that skips the trace calls alone). Run both
 inside `CompileCache.inductor_session()`, so that the C++ / Triton builds an artifact refers to
 are in the entry (checked) on the next start too.
 """
@@ -76,25 +77,39 @@ def _load_inductor(path: Path) -> Any:
     return torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
 
 
-def compile_piece(
-    compiler: str, gm: fx.GraphModule, args: Sequence[Any], cache: CompileCache, name: str
-) -> CompiledPiece:
-    """The general callable of piece `gm` (`args`: its fake example inputs); `name` keys its
-    artifact in `cache`."""
+def load_piece(
+    compiler: str, gm: fx.GraphModule, cache: CompileCache, name: str
+) -> CompiledPiece | None:
+    """The general callable of piece `gm` without compiling: the FX piece (`eager`) or its
+    artifact `name` in `cache` (`inductor`); None when the cache has no usable artifact."""
     start = time.perf_counter()
     if compiler == "eager":
         return CompiledPiece(gm, "eager", 0.0)
-    if compiler == "aot_eager":
-        fn = _with_piece_convention(aot_eager(gm, args), _returns_tuple(gm))
-        return CompiledPiece(fn, "compiled", time.perf_counter() - start)
+    if compiler == "aot_eager":  # nothing saved: a debugging compiler always traces anew
+        return None
     if compiler != "inductor":
         known = COMPILERS + DEBUG_COMPILERS
         raise ValueError(f"unknown piece compiler {compiler!r}; choose one of {known}")
     artifact = cache.load_artifact(name, _load_inductor)
-    source = "loaded"
     if artifact is None:
-        artifact = torch._inductor.standalone_compile(gm, list(args), dynamic_shapes="from_graph")
-        cache.save_artifact(name, lambda path: artifact.save(path=str(path), format="binary"))
-        source = "compiled"
+        return None
     fn = _with_piece_convention(artifact, _returns_tuple(gm))
-    return CompiledPiece(fn, source, time.perf_counter() - start)
+    return CompiledPiece(fn, "loaded", time.perf_counter() - start)
+
+
+def compile_piece(
+    compiler: str, gm: fx.GraphModule, args: Sequence[Any], cache: CompileCache, name: str
+) -> CompiledPiece:
+    """The general callable of piece `gm` (`args`: its fake example inputs), loaded when the
+    cache has it, else compiled and saved; `name` keys its artifact in `cache`."""
+    start = time.perf_counter()
+    piece = load_piece(compiler, gm, cache, name)
+    if piece is not None:
+        return piece
+    if compiler == "aot_eager":
+        fn = _with_piece_convention(aot_eager(gm, args), _returns_tuple(gm))
+        return CompiledPiece(fn, "compiled", time.perf_counter() - start)
+    artifact = torch._inductor.standalone_compile(gm, list(args), dynamic_shapes="from_graph")
+    cache.save_artifact(name, lambda path: artifact.save(path=str(path), format="binary"))
+    fn = _with_piece_convention(artifact, _returns_tuple(gm))
+    return CompiledPiece(fn, "compiled", time.perf_counter() - start)

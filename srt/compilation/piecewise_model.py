@@ -1,21 +1,29 @@
-"""A model forward traced once by Dynamo, split at the split ops, its pieces compiled up front.
+"""A model forward traced once by Dynamo, split at the split ops, its pieces compiled up front;
+saved, so that a warm start loads it instead of tracing.
 
     pm = PiecewiseModel(model, compilers=["inductor"], cache=cache, max_tokens=8192)
-    with forward_context(dummy):             # the trace runs the forward once
+    with forward_context(dummy):             # builds the graph (no forward runs)
         pm.trace(dummy.input_ids, dummy.positions)
     with forward_context(batch):
         hidden = pm(batch.input_ids, batch.positions, dispatcher, bucket)
 
-Tracing: `torch.compile(fullgraph=True, dynamic=False)` with the token dimension of
+Tracing: Dynamo's ahead-of-time capture (`torch.compile(...).aot_compile`, fullgraph, no
+dynamic shapes but the marked ones) of the model class's forward, with the token dimension of
 `input_ids` and `positions` marked dynamic over [2, max_tokens] (one symbol: tracing proves
 them equal; Dynamo specialises 0 and 1, so the symbol starts at 2, but the general graph also
 runs one-token batches). A graph break, or a guard or a decision of the traced code that is
 not the same for every count from 1 to max_tokens (a Python branch on the token count, even
 `x.shape[0] == 1`, which Dynamo decides without a guard), fails the trace with a
-`CompilationError` naming it. Then every guard is dropped
-(`guard_filter_fn`; `keep_shape_guards` keeps the shape guards, for debugging), and each later
-call runs under `set_stance("fail_on_recompile")`: no batch size can make Dynamo trace again,
-and an attempt is an error rather than a silent recompile.
+`CompilationError` naming it. Every guard is dropped (`guard_filter_fn`; `keep_shape_guards`
+keeps the shape guards, for debugging, and checks them on every call): what runs is Dynamo's
+code for the forward (which reads the weights off the model and calls the split graph), as a
+plain function, so no batch size can make Dynamo trace again.
+
+Warm start: the capture (Dynamo's code for the forward, its guards, the split graph as FX code
+and the piece signatures) is an artifact of the compile cache, checked as every artifact is
+(bound to the entry, sha256); loading it and then each piece's artifact replaces the trace.
+A damaged or stale one is logged, removed and traced again, as is a saved graph whose pieces
+the cache lacks.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,11 +44,10 @@ from srt.compilation.custom_ops import inductor_trace, split_ops
 from srt.compilation.dispatch import BucketDispatcher, PieceFn, Router
 from srt.compilation.errors import CompilationError, GraphBreakError, ShapeSpecializationError
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:  # imports Dynamo, which only tracing or loading needs
+    from torch._dynamo.aot_compile import AOTCompiledFunction
 
-# Dynamo keeps its compiled entries on the code object of the model class's forward; every
-# PiecewiseModel of one class adds one (told apart by backend), so allow many of them.
-RECOMPILE_LIMIT = 1024
+logger = logging.getLogger(__name__)
 
 
 def _guard_filter(keep_shape_guards: bool) -> Callable[[Sequence[Any]], list[bool]]:
@@ -51,6 +59,12 @@ def _guard_filter(keep_shape_guards: bool) -> Callable[[Sequence[Any]], list[boo
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _load_capture(path: Path) -> AOTCompiledFunction:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    return AOTCompiledFunction.deserialize(path.read_bytes())
 
 
 class PiecewiseModel:
@@ -65,52 +79,104 @@ class PiecewiseModel:
     ) -> None:
         if max_tokens < MIN_TOKENS:
             raise ValueError(f"max_tokens must be at least {MIN_TOKENS}, got {max_tokens}")
+        self.model = model
         self.compilers = list(compilers)
         self.cache = cache
         self.max_tokens = max_tokens
+        self.keep_shape_guards = keep_shape_guards
         self.router = Router()
         self.backend = PiecewiseBackend(
             self.compilers, cache, self.router, max_tokens, type(model).__name__
         )
-        self.compiled = torch.compile(
-            model,
-            backend=self.backend,
-            fullgraph=True,
-            dynamic=False,
-            options={"guard_filter_fn": _guard_filter(keep_shape_guards)},
-        )
+        # The saved capture serves every trace with these compilers and this token range.
+        self.capture_name = f"graph-{'-'.join(self.compilers)}-t{max_tokens}"
+        self.forward: AOTCompiledFunction | None = None
+        self.graph_source: str | None = None  # "traced" or "loaded" (from the cache)
         self.dynamo_s = 0.0
+        self.graph_load_s = 0.0
         self.total_s = 0.0
 
     @property
     def traced(self) -> bool:
-        return self.backend.split is not None
+        return self.forward is not None
 
     def trace(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Trace and compile, running the forward once (inside the caller's forward context)."""
+        """Build the general graph (inside the caller's forward context): load the saved
+        capture and its pieces, or trace and compile, then save the capture."""
         if self.traced:
             raise CompilationError("the model is already traced; it is traced once")
-        for t in (input_ids, positions):
-            torch._dynamo.mark_dynamic(t, 0, min=MIN_TOKENS, max=self.max_tokens)
         inductor = self.cache.inductor_session() if "inductor" in self.compilers else nullcontext()
         start = time.perf_counter()
+        with torch.inference_mode(), inductor:
+            before = time.perf_counter()
+            forward = self._load()
+            loaded = time.perf_counter()
+            self.graph_load_s = loaded - before
+            if forward is not None:
+                self.graph_source = "loaded"
+                self.graph_load_s -= self.backend.compile_s  # the pieces' share
+            else:
+                forward = self._trace(input_ids, positions)
+                self.dynamo_s = time.perf_counter() - loaded - self.backend.compile_s
+                self.graph_source = "traced"
+                self._save(forward)
+        if not self.keep_shape_guards:
+            forward.disable_guard_check()  # no guards to check
+        self.forward = forward
+        self.total_s = time.perf_counter() - start
+        logger.info(
+            "Dynamo transform took %.2f s%s",
+            self.dynamo_s,
+            f" (skipped: graph loaded in {self.graph_load_s:.2f} s)"
+            if self.graph_source == "loaded"
+            else "",
+        )
+        logger.info(
+            "torch.compile took %.2f s in total (pieces %.2f s; compile cache %s, %s)",
+            self.total_s,
+            self.backend.compile_s,
+            self.cache.dir,
+            {True: "hit", False: "miss", None: "not used"}[self.backend.cache_hit],
+        )
+
+    def _load(self) -> AOTCompiledFunction | None:
+        """The saved capture with its pieces loaded, or None (nothing saved, or a piece
+        missing from the cache: then it traces again)."""
+        saved = self.cache.load_artifact(self.capture_name, _load_capture)
+        if saved is None:
+            return None
+        from srt.compilation.compiled_forward import CompiledForward
+
+        # The deserialised backend output: the split graph, to route through loaded pieces.
+        forward = saved._artifacts.compiled_fn
+        if not isinstance(forward, CompiledForward) or not self.backend.restore(forward):
+            return None
+        return saved
+
+    def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor) -> AOTCompiledFunction:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        for t in (input_ids, positions):
+            torch._dynamo.mark_dynamic(t, 0, min=MIN_TOKENS, max=self.max_tokens)
+        # torch 2.11 attaches `aot_compile` to the compiled function only with this flag on.
+        with torch._dynamo.config.patch(enable_aot_compile=True):
+            compiled = torch.compile(
+                type(self.model).forward,
+                backend=self.backend,
+                fullgraph=True,
+                dynamic=False,
+                options={"guard_filter_fn": _guard_filter(self.keep_shape_guards)},
+            )
         try:
             with (
-                torch.inference_mode(),
                 recording_token_decisions() as self.backend.decisions,
-                inductor,
                 # One trace serves every compiler: with Inductor among them, the layer ops
                 # left at their default trace their reference, for Inductor to fuse.
                 inductor_trace("inductor" in self.compilers),
-                torch._dynamo.config.patch(
-                    recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT
-                ),
             ):
-                self.compiled(input_ids, positions)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            if isinstance(e.inner_exception, CompilationError):
-                raise e.inner_exception from None
-            raise
+                # Attached to the compiled function at run time, unknown to its type.
+                aot_compile = compiled.aot_compile  # type: ignore[attr-defined]
+                forward = aot_compile(((self.model, input_ids, positions), {}))
         except torch._dynamo.exc.Unsupported as e:
             raise GraphBreakError(
                 f"the model forward does not trace as one graph (fullgraph=True): {_first_line(e)}"
@@ -119,16 +185,20 @@ class PiecewiseModel:
             raise ShapeSpecializationError(
                 f"the model forward depends on the token count: {_first_line(e)}"
             ) from e
-        self.total_s = time.perf_counter() - start
-        self.dynamo_s = self.total_s - self.backend.compile_s
-        logger.info("Dynamo transform took %.2f s", self.dynamo_s)
-        logger.info(
-            "torch.compile took %.2f s in total (pieces %.2f s; compile cache %s, %s)",
-            self.total_s,
-            self.backend.compile_s,
-            self.cache.dir,
-            {True: "hit", False: "miss", None: "not used"}[self.backend.cache_hit],
-        )
+        assert isinstance(forward, AOTCompiledFunction)
+        return forward
+
+    def _save(self, forward: AOTCompiledFunction) -> None:
+        try:
+            self.cache.save_artifact(
+                self.capture_name, lambda path: forward.save_compiled_function(str(path))
+            )
+        except Exception as e:  # the server runs without it; only the next start traces
+            logger.warning(
+                "compile cache: cannot save the traced graph (%s: %s); a restart traces again",
+                type(e).__name__,
+                e,
+            )
 
     def general(self, compiler: str) -> list[PieceFn]:
         """The general callable of each piece for `compiler` (one of those traced with)."""
@@ -141,12 +211,9 @@ class PiecewiseModel:
         dispatcher: BucketDispatcher,
         bucket: int | None,
     ) -> torch.Tensor:
-        with (
-            torch.inference_mode(),
-            torch.compiler.set_stance("fail_on_recompile"),
-            self.router.route(dispatcher, bucket),
-        ):
-            return self.compiled(input_ids, positions)
+        assert self.forward is not None, "trace() first"
+        with torch.inference_mode(), self.router.route(dispatcher, bucket):
+            return self.forward(self.model, input_ids, positions)
 
     def info(self) -> dict[str, Any]:
         split = self.backend.split
@@ -156,7 +223,9 @@ class PiecewiseModel:
             "num_split_regions": len(split.regions) if split else 0,
             "num_unique_pieces": len(set(self.backend.signatures)),
             "compilers": self.compilers,
+            "graph_source": self.graph_source,
             "dynamo_s": round(self.dynamo_s, 3),
+            "graph_load_s": round(self.graph_load_s, 3),
             "compile_s": round(self.backend.compile_s, 3),
             "total_s": round(self.total_s, 3),
             "cache_dir": str(self.cache.dir),

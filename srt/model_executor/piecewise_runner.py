@@ -1,8 +1,9 @@
 """The `tc_piecewise` phase runner: the model traced once, split at the split ops, its pieces
 compiled up front (`--cuda-graph-tc-compiler eager|inductor`), buckets specialised lazily.
 
-Both phases share one `PiecewiseModel` (traced and compiled once, at the first tc_piecewise
-runner's construction, with every compiler a tc_piecewise phase asks for); each phase keeps
+Both phases share one `PiecewiseModel` (traced and compiled once, or loaded from the compile
+cache, at the first tc_piecewise runner's construction, with every compiler a tc_piecewise
+phase asks for); each phase keeps
 its own `BucketDispatcher`, whose specializer is `PieceGraphs`: a CUDA graph per (piece,
 bucket) on CUDA, the general graph on the CPU. A batch is padded to its bucket (decode: one
 token per request, so the bucket is the batch size too); beyond the largest bucket it runs
@@ -33,8 +34,9 @@ def tc_compiler(config: PhaseConfig) -> str:
 
 
 def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
-    """The runner's `PiecewiseModel`, traced and compiled on first use, with every compiler a
-    phase asks for (tc_piecewise phases, and full phases that capture the compiled forward)."""
+    """The runner's `PiecewiseModel`, traced and compiled (or loaded) on first use, with every
+    compiler a phase asks for (tc_piecewise phases, and full phases that capture the compiled
+    forward)."""
     if env.piecewise is not None:
         return env.piecewise
     if env.cache is None:
