@@ -69,8 +69,11 @@ def test_inductor_pieces_match_the_uncompiled_model(
     entry = Path(info["cache_dir"])
     assert len(list((entry / "pieces").glob("inductor-*.bin"))) == 3
     assert (entry / "pieces" / "graph-inductor-t8192.bin").is_file()  # the trace, saved
-    # Inductor's precompiled header under the root, not in $TMPDIR.
-    assert list((entry.parent / "inductor" / "precompiled_headers").glob("*.gch"))
+    # Inductor's precompiled header under the root, not in $TMPDIR. Inductor builds it once
+    # per process (earlier tests in this one may have, under their own root), so what is
+    # checked is where it is pointed.
+    headers = entry.parent / "inductor" / "precompiled_headers"
+    assert Path(torch._inductor.codecache._HEADER_DIR) == headers
     assert greedy_ids(cold) == reference
     assert max_logit_error(cold.runner) <= 1e-4
 

@@ -738,6 +738,7 @@ def test_startup_breakdown(server: ServerProcess) -> None:
             "load_s",
             "kv_alloc_s",
             "dynamo_s",
+            "graph_load_s",
             "inductor_s",
             "warmup_s",
             "capture_s",
