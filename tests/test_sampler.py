@@ -66,6 +66,7 @@ def test_temperature_zero_is_argmax() -> None:
     logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(1))
     b = batch(64, temperature=0.0)
     assert torch.equal(sample(logits, b), logits.argmax(-1))
+    assert torch.equal(sample(logits, None), logits.argmax(-1))  # known greedy: no parameters
     b.temperatures[::2] = 1.0  # a mixed batch: greedy rows stay argmax
     out = sample(logits, b)
     assert torch.equal(out[1::2], logits.argmax(-1)[1::2])

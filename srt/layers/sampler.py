@@ -57,13 +57,12 @@ def filter_probs(
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def sample(
-    logits: torch.Tensor, batch: SamplingBatch, all_greedy: bool | None = None
-) -> torch.Tensor:
-    """logits: [B, V] float32 -> token ids [B] int64. `all_greedy`, when the caller knows it
-    from the host, saves a device round trip."""
+def sample(logits: torch.Tensor, batch: SamplingBatch | None) -> torch.Tensor:
+    """logits: [B, V] float32 -> token ids [B] int64. `batch` None: every request is greedy,
+    which the caller knows from the host (then no sampling parameters need be on the
+    device)."""
     greedy = logits.argmax(dim=-1)
-    if all_greedy if all_greedy is not None else bool((batch.temperatures == 0).all()):
+    if batch is None:
         return greedy
     temps = torch.where(batch.temperatures > 0, batch.temperatures, 1.0)
     probs = torch.softmax(logits / temps[:, None], dim=-1)

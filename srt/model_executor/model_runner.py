@@ -281,14 +281,16 @@ class ModelRunner:
     def sample(self, plan: BatchPlan, batch: ForwardBatch, logits: torch.Tensor) -> PendingResult:
         """Each request's next token from `logits` [B, V], with the logprobs the plan asks for,
         on its way to the host; the ids stay on the device for the next plan too."""
-        temperatures, top_ps, min_ps = to_device_packed(
-            [plan.temperatures, plan.top_ps, plan.min_ps], self.device, torch.float32
-        )
-        top_ks, seeds = to_device_packed([plan.top_ks, plan.seeds], self.device)
-        sampling = SamplingBatch(
-            temperatures, top_ps, top_ks, min_ps, seeds, positions=batch.seq_lens.long()
-        )
-        next_ids = sample(logits, sampling, all_greedy=not plan.temperatures.any())
+        sampling = None  # all greedy: no parameters to upload (two copies a step)
+        if plan.temperatures.any():
+            temperatures, top_ps, min_ps = to_device_packed(
+                [plan.temperatures, plan.top_ps, plan.min_ps], self.device, torch.float32
+            )
+            top_ks, seeds = to_device_packed([plan.top_ks, plan.seeds], self.device)
+            sampling = SamplingBatch(
+                temperatures, top_ps, top_ks, min_ps, seeds, positions=batch.seq_lens.long()
+            )
+        next_ids = sample(logits, sampling)
         self.last_sampled, self.last_step = next_ids, plan.step
         outputs = [next_ids]
         if plan.return_logprob:
