@@ -6,7 +6,7 @@
 #   environment.txt                 GPU, driver, Python, torch, CUDA, triton
 #   runner-SHAPE.jsonl              srt.bench.one_batch (every decode path) + srt.bench.hf_baseline
 #   cold_start-SHAPE.json / .png    srt.bench.cold_start on a random checkpoint written to disk
-#   serving-SHAPE-{full,nographs}.json  srt.bench.serving, decode graphs against none
+#   serving-SHAPE-{full,no-overlap,nographs}.json  srt.bench.serving per decode variant
 # and the tables (scripts/bench_tables.py) are printed last.
 #
 # Usage: scripts/gpu_round.sh STAGE...   with STAGE one of
@@ -15,7 +15,8 @@
 #                        Inductor pieces, breakable,
 #                        tc_piecewise eager and inductor; hf_baseline (floor, cuBLAS chain, HF)
 #   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list)
-#   serving-SHAPE        serving at concurrency 1, 16, 64: decode full (lazy) against nographs
+#   serving-SHAPE        serving at concurrency 1, 32, 64, 128: decode full (lazy) with and
+#                        without overlap scheduling, and nographs
 # SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first.
 # Exit status: non-zero if any step failed (the others still run).
 set -uo pipefail
@@ -87,7 +88,7 @@ checkpoint() {  # sets CKPT: a random checkpoint of the shape on local disk, wri
 
 cold_start() {
   local shape=$1
-  local configs=${COLD_START_CONFIGS:-nographs full-lazy full-upfront tcpw-inductor-lazy tcpw-inductor-upfront}
+  local configs=${COLD_START_CONFIGS:-nographs full-lazy full-upfront tcpw-inductor-lazy tcpw-inductor-upfront full-inductor-lazy full-inductor-upfront}
   checkpoint "$shape"
   rm -rf "$work/cold-$shape"
   # shellcheck disable=SC2086
@@ -96,15 +97,17 @@ cold_start() {
     --output-file "$out/cold_start-$shape.json" --plot "$out/cold_start-$shape.png"
 }
 
-serving() {
-  local shape=$1 graphs
+serving() {  # decode full with overlap (the default), without it, and with no graphs
+  local shape=$1 variant
   checkpoint "$shape"
-  for graphs in full nographs; do
+  for variant in full no-overlap nographs; do
     local flags=(--cuda-graph-backend-decode full)
-    [ $graphs = nographs ] && flags=(--disable-cuda-graph)
-    step "serving-$shape-$graphs" python3 -m srt.bench.serving --num-prompts 8 64 128 \
-      --max-concurrency 1 16 64 --input-len 128 --output-len 64 \
-      --output-file "$out/serving-$shape-$graphs.json" -- --model-path "$CKPT" "${flags[@]}"
+    [ $variant = no-overlap ] && flags+=(--disable-overlap-schedule)
+    [ $variant = nographs ] && flags=(--disable-cuda-graph)
+    # Concurrency 64 gets 1,000 requests: every one must finish with its token count.
+    step "serving-$shape-$variant" python3 -m srt.bench.serving --num-prompts 16 128 1000 256 \
+      --max-concurrency 1 32 64 128 --input-len 128 --output-len 64 \
+      --output-file "$out/serving-$shape-$variant.json" -- --model-path "$CKPT" "${flags[@]}"
   done
 }
 

@@ -49,12 +49,16 @@ _TCPW_INDUCTOR = [
     "--cuda-graph-tc-compiler",
     "inductor",
 ]
+# Decode captured whole over the once-compiled general graph: capture is all a bucket costs.
+_FULL_INDUCTOR = ["--cuda-graph-backend-decode", "full", "--cuda-graph-tc-compiler", "inductor"]
 PRESETS: dict[str, list[str]] = {
     "nographs": ["--disable-cuda-graph"],
     "full-lazy": ["--cuda-graph-backend-decode", "full", "--cuda-graph-capture", "lazy"],
     "full-upfront": ["--cuda-graph-backend-decode", "full", "--cuda-graph-capture", "upfront"],
     "tcpw-inductor-lazy": [*_TCPW_INDUCTOR, "--cuda-graph-capture", "lazy"],
     "tcpw-inductor-upfront": [*_TCPW_INDUCTOR, "--cuda-graph-capture", "upfront"],
+    "full-inductor-lazy": [*_FULL_INDUCTOR, "--cuda-graph-capture", "lazy"],
+    "full-inductor-upfront": [*_FULL_INDUCTOR, "--cuda-graph-capture", "upfront"],
 }
 CACHE_STATES = ("cold", "warm")
 
