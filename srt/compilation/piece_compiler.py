@@ -70,7 +70,10 @@ def aot_eager(gm: fx.GraphModule, args: Sequence[Any]) -> PieceFn:
     """`gm` through AOTAutograd's trace, run eagerly; returns a tuple."""
     from torch._dynamo.backends.debugging import aot_eager as backend
 
-    return backend(with_tuple_output(gm), list(args))
+    # No AOTAutograd cache entry: under `aot_compile` (torch 2.11) it would insist that the
+    # compiled forward be Inductor's output code, which an eager run is not.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return backend(with_tuple_output(gm), list(args))
 
 
 def _load_inductor(path: Path) -> Any:
