@@ -1,11 +1,22 @@
-"""Shared pytest setup: the ``gpu`` marker and tiny random-weight model fixtures."""
+"""Shared pytest setup: the ``gpu`` marker, Triton's interpreter where there is triton but no
+CUDA (so the kernel tests run on the CPU too), and tiny random-weight model fixtures."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+if importlib.util.find_spec("triton") is not None and "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        # On a machine without CUDA, Triton kernels run only under Triton's interpreter, which
+        # must be on before any kernel is defined (srt's modules define theirs at import).
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_configure(config: pytest.Config) -> None:
