@@ -283,7 +283,7 @@ def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys)
         assert 0 < r["ttft_later_ms"] <= r["t2t_later_ms"]
         assert [x["batch"] for x in r["buckets"]] == [1, 2]
         for x in r["buckets"]:
-            assert x["t2t_first_ms"] > 0 and x["t2t_again_ms"] > 0 and x["steady_itl_ms"] > 0
+            assert x["t2t_first_ms"] > 0 and x["t2t_again_ms"] > 0 and x["steady_tpot_ms"] > 0
             assert x["excess_ms"] == pytest.approx(x["t2t_first_ms"] - x["t2t_again_ms"], abs=1e-3)
             # captured on the CPU? no: there is nothing to capture, so no bucket records
             assert x["server_capture_ms"] is None

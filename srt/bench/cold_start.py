@@ -179,7 +179,10 @@ def measure_start(
                 "excess_ms": round(t2t_first - t2t_again, 3)
                 if t2t_first is not None and t2t_again is not None
                 else None,
-                "steady_itl_ms": median_ms([g for r in again if r.ok for g in r.itl_s]),
+                # Per token, not per event: a stream that falls behind gets several at once.
+                "steady_tpot_ms": median_ms(
+                    [r.tpot_s for r in again if r.ok and r.tpot_s is not None]
+                ),
                 "server_bucket": record.get("bucket"),
                 "server_capture_ms": record.get("capture_ms"),
             }
@@ -328,7 +331,7 @@ BUCKET_TABLE = [
     ("2nd token, 1st burst ms", "t2t_first_ms"),
     ("2nd token, again ms", "t2t_again_ms"),
     ("excess ms", "excess_ms"),
-    ("steady ITL ms", "steady_itl_ms"),
+    ("steady TPOT ms", "steady_tpot_ms"),
     ("bucket", "server_bucket"),
     ("server capture ms", "server_capture_ms"),
 ]

@@ -66,6 +66,14 @@ class RequestRecord:
         return self.token_times[0] - self.sent if self.token_times else None
 
     @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (None with fewer than two): unlike the
+        event gaps, the same whether the stream sent a token per event or several."""
+        if self.output_tokens < 2:
+            return None
+        return ((self.done or self.sent) - self.token_times[0]) / (self.output_tokens - 1)
+
+    @property
     def itl_s(self) -> list[float]:
         """Gaps between the events that brought tokens (one per decode step while the
         server's stream keeps up; one that falls behind sends several steps' tokens at once)."""
@@ -203,13 +211,7 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "request_throughput": round(len(ok) / duration, 3),
         "output_throughput": round(output_tokens / duration, 1),
         "ttft_ms": summary([r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
-        "tpot_ms": summary(
-            [
-                ((r.done or r.sent) - r.token_times[0]) / (r.output_tokens - 1) * 1000
-                for r in ok
-                if r.output_tokens > 1
-            ]
-        ),
+        "tpot_ms": summary([r.tpot_s * 1000 for r in ok if r.tpot_s is not None]),
         "itl_ms": summary([gap * 1000 for r in ok for gap in r.itl_s]),
         "e2e_ms": summary([((r.done or r.sent) - r.sent) * 1000 for r in ok]),
     }
