@@ -15,8 +15,8 @@ from layer_op_cases import kernel_device, op_cases
 import srt.layers.attention.layer  # noqa: F401 (defines srt::attention)
 from srt.batch_layout import ForwardMode
 from srt.compilation.custom_ops import custom_ops, opcheck, register_custom_op, split_ops
+from srt.custom_op_selection import OPS
 from srt.layers.attention.base import create_attention_backend
-from srt.layers.custom_op import OPS
 from srt.model_executor.forward_batch import forward_context
 from srt.model_executor.static_batch import dummy_batch
 

@@ -52,6 +52,14 @@ def test_torch_free_module(module: str) -> None:
     assert heavy(modules, HEAVY) == []
 
 
+def test_checking_the_flags_imports_no_torch() -> None:
+    # The launcher checks them before it spawns anything: a second of torch here would be a
+    # second on every start.
+    modules = imported_after("srt.server_args", "srt.server_args.ServerArgs().check()")
+    assert "srt.custom_op_selection" in modules
+    assert heavy(modules, HEAVY) == []
+
+
 def test_launcher_entry_skips_the_web_stack() -> None:
     # The launcher binds its port and spawns the children before paying for these.
     modules = imported_after("srt.launch_server")

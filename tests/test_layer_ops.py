@@ -24,15 +24,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from srt import Engine
 from srt.compilation.custom_ops import inductor_trace
-from srt.layers.activation import SiluAndMul
-from srt.layers.custom_op import (
+from srt.custom_op_selection import (
     OPS,
     OpImpl,
-    apply_custom_ops,
     asks_for_kernels,
     parse_custom_ops,
     resolve_custom_ops,
 )
+from srt.layers.activation import SiluAndMul
+from srt.layers.custom_op import apply_custom_ops
 from srt.layers.layernorm import RMSNorm, fused_add_rms_norm_kernel, rms_norm_kernel
 from srt.layers.rotary_embedding import RotaryEmbedding, rotary_kernel
 from srt.server_args import ServerArgs, ServerArgsError

@@ -14,16 +14,9 @@ from srt.batch_layout import ForwardMode
 from srt.compilation.cache import CompileCache, collect_factors, default_cache_root
 from srt.compilation.compile_info import compile_info
 from srt.compilation.custom_ops import split_ops
+from srt.custom_op_selection import OpImpl, asks_for_kernels, kernels_missing, resolve_custom_ops
 from srt.layers.attention.base import attention_backend_class
-from srt.layers.custom_op import (
-    OpImpl,
-    apply_custom_ops,
-    asks_for_kernels,
-    custom_ops_info,
-    describe_custom_ops,
-    kernels_missing,
-    resolve_custom_ops,
-)
+from srt.layers.custom_op import apply_custom_ops, custom_ops_info, describe_custom_ops
 from srt.layers.sampler import SamplingBatch, logprobs_of, sample
 from srt.managers.io_struct import BatchPlan, BatchResult
 from srt.model_config import ModelConfig
