@@ -29,6 +29,8 @@ import logging
 import math
 import shlex
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -312,6 +314,7 @@ TABLE = [
     ("config", "config"),
     ("cache", "cache"),
     ("ready s", "ready_s"),
+    ("/ import torch", "ready_over_import_torch"),
     ("load s", "model_runner_load_s"),
     ("compile s", "compile_total_s"),
     ("upfront capture s", "model_runner_capture_s"),
@@ -335,6 +338,17 @@ BUCKET_TABLE = [
     ("bucket", "server_bucket"),
     ("server capture ms", "server_capture_ms"),
 ]
+
+
+def import_torch_s(runs: int = 3) -> float:
+    """Median seconds of `python -c "import torch"` here: the yardstick a start is held
+    against (a ratio survives a machine that is faster or busier than another)."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times), 3)
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -447,13 +461,16 @@ def main(argv: list[str] | None = None) -> None:
                 "dummy",
             ]
         rows = []
+        reference_s = import_torch_s()
         runs = [(n, f, s) for n, f in configs for s in CACHE_STATES]
         for name, flags, state in tqdm(runs, desc="server starts", unit="start"):
-            rows.append(
-                measure_start(name, [*model, *common, *flags], root / name, state, ns, log_dir)
-            )
+            row = measure_start(name, [*model, *common, *flags], root / name, state, ns, log_dir)
+            if "ready_s" in row:
+                row["ready_over_import_torch"] = round(row["ready_s"] / reference_s, 2)
+            rows.append(row)
     result = {
         "machine": machine(),
+        "import_torch_s": reference_s,
         "model": ns.model_path or ns.model_shape,
         "common_flags": common,
         "runs": rows,
