@@ -13,25 +13,20 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import multiprocessing as mp
 import time
 import uuid
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from srt.distributed import destroy_tp
 from srt.managers.frontend import RequestFrontend
 from srt.managers.io_struct import GenerateReq
 from srt.managers.outputs import SeqDecoder, SeqResult
 from srt.managers.scheduler import Scheduler
 from srt.managers.tokenizer import load_tokenizer
 from srt.model_config import ModelConfig, resolve_model_path, warn_past_positions
-from srt.model_executor.model_runner import ModelRunner
-from srt.process import ChildEntry, ReadyPipe
+from srt.model_executor.rank_processes import start_ranks, stop_ranks
 from srt.server_args import ServerArgs
-from srt.tp_rank import TPRank, tp_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +42,7 @@ class Engine:
         warn_past_positions(self.model_config, args.context_length)
         args.check_model(self.model_config)
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
-        ranks = tp_ranks(args.tp_size)
-        self.followers = [_spawn_follower(args, tp) for tp in ranks[1:]]
-        try:
-            self.runner = ModelRunner(args, self.model_config, ranks[0])
-        except BaseException:
-            destroy_tp()  # if it got as far as joining the group
-            self._stop_followers()
-            raise
+        self.runner, self.followers = start_ranks(args, self.model_config)
         self.scheduler = Scheduler(
             args,
             num_slots=self.runner.num_slots,
@@ -133,44 +121,14 @@ class Engine:
             self.scheduler.abort(rid)
         device = self.runner.device if self.runner is not None else None
         if self.runner is not None:
-            self.runner.close()
-        self._stop_followers()
+            stop_ranks(self.runner, self.followers)
         self.runner = None  # type: ignore[assignment]
         gc.collect()
         if device is not None and device.type == "cuda":
             torch.cuda.empty_cache()  # so the next engine's KV sizing sees the memory free
-
-    def _stop_followers(self) -> None:
-        """Wait for the other ranks, told to stop by `runner.close()` (or left without their
-        group when rank 0 failed to start), and kill any that does not stop."""
-        for proc, _ in self.followers:
-            proc.join(_FOLLOWER_STOP_S)
-            if proc.is_alive():
-                logger.warning("%s did not stop; killing it", proc.name)
-                proc.kill()
-                proc.join()
-        self.followers = []
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-_FOLLOWER_STOP_S = 10
-
-
-def _spawn_follower(args: ServerArgs, tp: TPRank) -> tuple[mp.process.BaseProcess, Connection]:
-    """Rank `tp.rank` in a child process, and the pipe it reports on. Its report is not
-    read: rank 0 meets it in the group's collectives, which fail if it died."""
-    ctx = mp.get_context("spawn")
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(
-        target=ChildEntry("srt.model_executor.runner_process", "run_follower_process"),
-        args=(args, tp, ReadyPipe(writer, time.time())),
-        name=f"srt-model_runner_rank{tp.rank}",
-    )
-    proc.start()
-    writer.close()
-    return proc, reader

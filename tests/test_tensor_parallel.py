@@ -5,6 +5,7 @@ refused naming the flag. The 2-GPU check (NCCL, `full` decode graphs) is marked 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import time
@@ -82,6 +83,17 @@ def test_server_with_two_ranks_serves_the_same_ids_and_dies_with_a_rank(
         assert f"model_runner_rank1 process (pid {follower}) died" in srv.log()
     finally:
         srv.stop()
+
+
+def test_one_batch_benchmark_runs_two_ranks(tiny_llama: Path, tmp_path: Path) -> None:
+    from srt.bench import one_batch
+
+    results = tmp_path / "ob.jsonl"
+    flags = ["--model-path", str(tiny_llama), "--device", "cpu", "--dtype", "float32"]
+    steps = ["--batch-size", "2", "--input-len", "8", "--output-len", "4", "--runs", "1"]
+    one_batch.main([*flags, *steps, "--tp-size", "2", "--result-file", str(results)])
+    (row,) = [json.loads(line) for line in results.read_text().splitlines()]
+    assert row["tp_size"] == 2 and row["decode_ms_per_step"] > 0
 
 
 @pytest.mark.parametrize(
