@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from compile_helpers import PROMPTS, greedy_ids
+from compile_helpers import PROMPTS, greedy_ids, tc_engine
 from server_helpers import ServerProcess, child_pids, still_alive
 
 from srt import Engine
@@ -53,6 +53,19 @@ def test_two_ranks_give_the_same_ids_as_one(
 def test_tied_embeddings_shard_once(tiny_model_factory: Callable[..., Path]) -> None:
     model = tiny_model_factory("llama", tie_word_embeddings=True)
     assert _ids(model, tp_size=2) == _ids(model)
+
+
+def test_two_ranks_compiled_piecewise_give_the_same_ids(tiny_llama: Path, tmp_path: Path) -> None:
+    """The collectives stay whole ops inside the Inductor-compiled pieces, and each rank
+    compiles (and caches) its own shard's graph: a second start hits both ranks' entries."""
+    expected = _ids(tiny_llama)
+    for start in ("cold", "warm"):
+        with tc_engine(tiny_llama, tmp_path, "inductor", tp_size=2, skip_warmup=True) as engine:
+            assert greedy_ids(engine) == expected, start
+            compiled = engine.get_server_info()["compile"]
+            assert compiled["cache_hit"] is (start == "warm"), compiled
+    entries = {p.parent for p in tmp_path.rglob("computation_graph.py")}
+    assert len(entries) == 2, entries  # one entry per rank
 
 
 def test_server_with_two_ranks_serves_the_same_ids_and_dies_with_a_rank(
