@@ -68,6 +68,20 @@ def test_two_ranks_compiled_piecewise_give_the_same_ids(tiny_llama: Path, tmp_pa
     assert len(entries) == 2, entries  # one entry per rank
 
 
+def test_a_rank_reads_its_region_of_a_tensor(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from srt.model_executor.model_loader import iter_checkpoint
+
+    weight = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    save_file({"w": weight}, str(tmp_path / "model.safetensors"))
+    ((_, name, tensor),) = list(iter_checkpoint(tmp_path, torch.device("cpu")))
+    assert name == "w" and tensor.shape == (6, 8)
+    region = tensor.read((slice(2, 4), slice(4, 8)))
+    assert torch.equal(region, weight[2:4, 4:8])
+    assert torch.equal(tensor.read(), weight)
+
+
 def test_server_with_two_ranks_serves_the_same_ids_and_dies_with_a_rank(
     tiny_llama: Path, tmp_path: Path
 ) -> None:

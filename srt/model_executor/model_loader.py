@@ -92,7 +92,8 @@ class SafetensorsTensor:
     """One tensor of an open safetensors file, read on demand to `device`: in full, or only
     the region a rank holds (a tensor-parallel rank never copies the rest)."""
 
-    def __init__(self, file: Any, name: str, device: torch.device) -> None:
+    def __init__(self, path: Path, file: Any, name: str, device: torch.device) -> None:
+        self._path = path
         self._file = file
         self._name = name
         self._device = device
@@ -103,9 +104,12 @@ class SafetensorsTensor:
         whole = all(
             s.indices(dim) == (0, dim, 1) for s, dim in zip(index, self.shape, strict=False)
         )
-        if whole:
-            return self._file.get_tensor(self._name)
-        return self._slice[index].to(self._device)
+        try:
+            if whole:
+                return self._file.get_tensor(self._name)
+            return self._slice[index].to(self._device)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read {self._name} from {self._path}: {e}") from e
 
 
 def iter_checkpoint(
@@ -117,7 +121,7 @@ def iter_checkpoint(
         try:
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    yield file, name, SafetensorsTensor(f, name, device)
+                    yield file, name, SafetensorsTensor(file, f, name, device)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read weights from {file}: {e}") from e
 
