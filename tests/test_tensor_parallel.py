@@ -75,11 +75,13 @@ def test_a_rank_reads_its_region_of_a_tensor(tmp_path: Path) -> None:
 
     weight = torch.arange(48, dtype=torch.float32).reshape(6, 8)
     save_file({"w": weight}, str(tmp_path / "model.safetensors"))
-    ((_, name, tensor),) = list(iter_checkpoint(tmp_path, torch.device("cpu")))
-    assert name == "w" and tensor.shape == (6, 8)
-    region = tensor.read((slice(2, 4), slice(4, 8)))
-    assert torch.equal(region, weight[2:4, 4:8])
-    assert torch.equal(tensor.read(), weight)
+    names = []
+    for _, name, tensor in iter_checkpoint(tmp_path, torch.device("cpu")):  # the file is open
+        names.append(name)
+        assert tensor.shape == (6, 8)
+        assert torch.equal(tensor.read((slice(2, 4), slice(4, 8))), weight[2:4, 4:8])
+        assert torch.equal(tensor.read(), weight)
+    assert names == ["w"]
 
 
 def test_server_with_two_ranks_serves_the_same_ids_and_dies_with_a_rank(
