@@ -3,6 +3,9 @@
 from srt import Engine
 engine = Engine(model_path="...", device="cpu", dtype="float32")
 engine.generate(prompt=["Hello"], sampling_params={"max_new_tokens": 16, "temperature": 0})
+
+With `tp_size=N` the calling process is rank 0 and ranks 1..N-1 are spawned child processes
+(tied to it: they die with it), stopped by `shutdown()`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from srt.managers.outputs import SeqDecoder, SeqResult
 from srt.managers.scheduler import Scheduler
 from srt.managers.tokenizer import load_tokenizer
 from srt.model_config import ModelConfig, resolve_model_path, warn_past_positions
-from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.rank_processes import start_ranks, stop_ranks
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -37,8 +40,9 @@ class Engine:
         args.model_path = resolve_model_path(args.model_path)
         self.model_config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
         warn_past_positions(self.model_config, args.context_length)
+        args.check_model(self.model_config)
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
-        self.runner = ModelRunner(args, self.model_config)
+        self.runner, self.followers = start_ranks(args, self.model_config)
         self.scheduler = Scheduler(
             args,
             num_slots=self.runner.num_slots,
@@ -116,6 +120,8 @@ class Engine:
         for rid in list(self.scheduler.reqs):
             self.scheduler.abort(rid)
         device = self.runner.device if self.runner is not None else None
+        if self.runner is not None:
+            stop_ranks(self.runner, self.followers)
         self.runner = None  # type: ignore[assignment]
         gc.collect()
         if device is not None and device.type == "cuda":

@@ -1,5 +1,7 @@
 """Start the server: this process (HTTP, tokenizer, detokenizer) and two children, the scheduler
-and the model runner, connected by ZeroMQ in a private temporary directory.
+and the model runner, connected by ZeroMQ in a private temporary directory. With --tp-size N
+the model runner is N processes, one per rank: the scheduler talks to rank 0, which passes
+each plan on to the others over their process group.
 
     python -m srt.launch_server [--model-path DIR] [flags]
 
@@ -35,11 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 from srt.process import ChildEntry, ReadyPipe
 from srt.server_args import ServerArgs, ServerArgsError
+from srt.tp_rank import tp_ranks
 
 if TYPE_CHECKING:  # imported when the server starts, once its flags are known to be good
     import uvicorn
 
-    from srt.managers.ipc import Endpoints
     from srt.managers.tokenizer_manager import TokenizerManager
     from srt.model_config import ModelConfig
 
@@ -56,31 +58,24 @@ class BackendFailed(RuntimeError):
     pass
 
 
-# The children's entry functions: (name, module, function).
-CHILDREN = [
-    ("model_runner", "srt.model_executor.runner_process", "run_runner_process"),
-    ("scheduler", "srt.managers.scheduler_process", "run_scheduler_process"),
-]
+RUNNER_MODULE = "srt.model_executor.runner_process"
+SCHEDULER_MODULE = "srt.managers.scheduler_process"
 
 
 class Child:
     """A spawned child process and the pipe on which it reports ready (or its error)."""
 
     def __init__(
-        self,
-        name: str,
-        target: Callable[..., None],
-        args: ServerArgs,
-        endpoints: Endpoints,
-        launched: float,
+        self, name: str, target: Callable[..., None], call_args: tuple[Any, ...], launched: float
     ) -> None:
+        """Spawn `target(*call_args, ready_pipe)`."""
         ctx = mp.get_context("spawn")
         self.name = name
         self.reader, writer = ctx.Pipe(duplex=False)
         self.spawned_after_s = round(time.perf_counter() - launched, 3)
         self.process = ctx.Process(
             target=target,
-            args=(args, endpoints, ReadyPipe(writer, time.time())),
+            args=(*call_args, ReadyPipe(writer, time.time())),
             name=f"srt-{name}",
         )
         self.process.start()
@@ -153,9 +148,19 @@ class Launcher:
             self.server.should_exit = True
 
     def spawn_children(self) -> None:
-        for name, module, function in CHILDREN:
+        args, endpoints = self.args, self.endpoints
+        ranks = tp_ranks(args.tp_size)
+        spawns: list[tuple[str, str, str, tuple[Any, ...]]] = [
+            ("model_runner", RUNNER_MODULE, "run_runner_process", (args, endpoints, ranks[0])),
+            *(
+                (f"model_runner_rank{tp.rank}", RUNNER_MODULE, "run_follower_process", (args, tp))
+                for tp in ranks[1:]
+            ),
+            ("scheduler", SCHEDULER_MODULE, "run_scheduler_process", (args, endpoints)),
+        ]
+        for name, module, function, call_args in spawns:
             target = ChildEntry(module, function)
-            self.children[name] = Child(name, target, self.args, self.endpoints, self.launched)
+            self.children[name] = Child(name, target, call_args, self.launched)
         self._mark("start_s")
 
     def run(self, sock: socket.socket) -> int:
@@ -250,6 +255,11 @@ class Launcher:
         runner = self.children["model_runner"].figures
         scheduler = self.children["scheduler"].figures
         assert runner is not None and scheduler is not None
+        followers = {
+            name: _child_entry(c.figures, {"spawn_imports_s": c.figures["spawn_imports_s"]})
+            for name, c in self.children.items()
+            if name.startswith("model_runner_rank") and c.figures is not None
+        }
         info = runner["info"]
         runner_entry = {
             **_child_entry(runner, runner_parts(runner)),
@@ -261,11 +271,12 @@ class Launcher:
             f"{phase} {g['backend']}" for phase, g in (info.get("graphs") or {}).items()
         )
         logger.info(
-            "model_runner ready after %.2f s (pid %d; %s); %s %s, %s attention, graphs: %s; "
-            "%d KV slots, context length %d",
+            "model_runner ready after %.2f s (pid %d; %s); tp %d, %s %s, %s attention, graphs: "
+            "%s; %d KV slots, context length %d",
             runner["ready_after_s"],
             runner["pid"],
             parts_text(runner_entry),
+            info["tp_size"],
             info["device"],
             info["dtype"],
             info["attention_backend"],
@@ -297,6 +308,7 @@ class Launcher:
                     "tokenizer": tokenizer_entry,
                     "scheduler": scheduler_entry,
                     "model_runner": runner_entry,
+                    **followers,
                 },
             },
         )
@@ -393,8 +405,9 @@ def launch_server(args: ServerArgs, sock: socket.socket, launched: float) -> int
         args.model_path = resolve_model_path(args.model_path)
         model_config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
         warn_past_positions(model_config, args.context_length)
+        args.check_model(model_config)
         check_tokenizer_files(args.tokenizer_path or args.model_path)
-    except ModelLoadError as e:
+    except (ModelLoadError, ServerArgsError) as e:
         logger.error("%s", e)
         return 1
     launcher = Launcher(args, model_config, launched)

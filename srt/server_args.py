@@ -11,7 +11,10 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from srt.model_config import ModelConfig
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 _MAX_PORT = 65535
@@ -50,6 +53,11 @@ class ServerArgs:
     device: str = _opt("auto", "cpu, cuda or auto (cuda when available).")
     seed: int = _opt(0, "Seed for dummy weights and unseeded sampling.")
     context_length: int | None = _opt(None, "Max tokens per request (default: the config's).")
+    tp_size: int = _opt(
+        1,
+        "Tensor-parallel size: the model is sharded over this many model runner processes, "
+        "one per GPU (gloo on the CPU).",
+    )
 
     # Memory and batching
     max_total_tokens: int | None = _opt(
@@ -167,6 +175,7 @@ class ServerArgs:
             "max_prefill_tokens",
             "torch_compile_max_bs",
             "max_request_bytes",
+            "tp_size",
         ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -191,6 +200,42 @@ class ServerArgs:
 
             if not torch.cuda.is_available():
                 raise ServerArgsError("device", f"{self.device}: CUDA is not available")
+        if self.tp_size > 1:
+            self._check_tp_devices()
+
+    def _check_tp_devices(self) -> None:
+        if self.device.startswith("cuda:"):
+            raise ServerArgsError(
+                "device", f"{self.device}: with --tp-size, rank r runs on cuda:r; pass cuda"
+            )
+        import torch
+
+        if self.resolved_device() == "cuda" and self.tp_size > torch.cuda.device_count():
+            raise ServerArgsError(
+                "tp_size",
+                f"{self.tp_size} ranks need as many GPUs, this host has "
+                f"{torch.cuda.device_count()}",
+            )
+
+    def check_model(self, config: ModelConfig) -> None:
+        """ServerArgsError if the model cannot be sharded over --tp-size ranks (checked once
+        its config is read, before any process starts)."""
+        n = self.tp_size
+        for what, count in (
+            ("num_attention_heads", config.num_heads),
+            ("intermediate_size", config.intermediate_size),
+        ):
+            if count % n:
+                raise ServerArgsError(
+                    "tp_size", f"{n} does not divide the model's {what} ({count})"
+                )
+        kv = config.num_kv_heads
+        if (kv >= n and kv % n) or (kv < n and n % kv):
+            raise ServerArgsError(
+                "tp_size",
+                f"{n} ranks cannot share the model's {kv} KV heads: the heads must split "
+                "evenly, or (fewer heads than ranks) each be replicated on as many ranks",
+            )
 
     def resolved_device(self) -> str:
         import torch

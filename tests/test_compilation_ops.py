@@ -5,8 +5,8 @@ Triton kernels are checked where they can run: on CUDA, or on the CPU under TRIT
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import pytest
 import torch
@@ -16,9 +16,11 @@ import srt.layers.attention.layer  # noqa: F401 (defines srt::attention)
 from srt.batch_layout import ForwardMode
 from srt.compilation.custom_ops import custom_ops, opcheck, register_custom_op, split_ops
 from srt.custom_op_selection import OPS
+from srt.distributed import destroy_tp, init_tp
 from srt.layers.attention.base import create_attention_backend
 from srt.model_executor.forward_batch import forward_context
 from srt.model_executor.static_batch import dummy_batch
+from srt.tp_rank import TPRank, free_port
 
 Sample = tuple[tuple, AbstractContextManager]
 
@@ -48,9 +50,29 @@ def layer_op_sample(qualname: str) -> Callable[[], Sample]:
     return sample
 
 
+@contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A gloo group of this process alone, for the tensor-parallel collectives."""
+    init_tp(TPRank(0, 1, f"tcp://127.0.0.1:{free_port()}"), torch.device("cpu"))
+    try:
+        yield
+    finally:
+        destroy_tp()
+
+
+def all_reduce_sample() -> Sample:
+    return (torch.randn(3, 8),), one_rank_group()
+
+
+def all_gather_sample() -> Sample:
+    return (torch.randn(3, 8), 1), one_rank_group()
+
+
 # One sample per op: an op registered without a sample here fails the coverage test.
 SAMPLES: dict[str, Callable[[], Sample]] = {
     "srt::attention": attention_sample,
+    "srt::tp_all_reduce": all_reduce_sample,
+    "srt::tp_all_gather": all_gather_sample,
     **{f"srt::{op}": layer_op_sample(f"srt::{op}") for op in OPS},
 }
 

@@ -37,6 +37,7 @@ from srt.managers.io_struct import BatchPlan
 from srt.model_config import ModelConfig, resolve_model_path
 from srt.model_executor.graph_config import Phase
 from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.rank_processes import running_ranks
 from srt.server_args import ServerArgs
 from srt.tools.model_shapes import MODEL_SHAPES, write_model_shape
 
@@ -183,57 +184,61 @@ def bench(
     assert args.model_path is not None, "main resolves model_path"
     config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
     start = time.perf_counter()
-    runner = ModelRunner(args, config)
-    startup_s = time.perf_counter() - start  # load + compile (+ upfront capture)
-    compile_info = runner.info()["compile"]
-    graphs = runner.graph_configs
-    where = machine()
-    results = []
-    for b in tqdm(batch_sizes, desc="batch sizes", unit="bs"):
-        reqs = Requests(b, input_len, output_len, config.vocab_size, args.seed)
-        cold_prefill, cold_steps = run_once(runner, reqs)
-        warm = [run_once(runner, reqs) for _ in range(runs)]
-        steps = [s for _, run_steps in warm for s in run_steps]
-        decode_ms = statistics.median(steps) * 1000 if steps else None
-        row = {
-            "model": shape or str(args.model_path),
-            "dtype": str(config.dtype).removeprefix("torch."),
-            "device": str(runner.device),
-            "attention_backend": runner.attention_backend_name,
-            "prefill_backend": graphs[Phase.PREFILL].backend.value,
-            "decode_backend": graphs[Phase.DECODE].backend.value,
-            "enable_torch_compile": args.enable_torch_compile,
-            "tc_compiler": graphs[Phase.DECODE].tc_compiler,
-            "custom_ops": args.custom_ops,
-            "load_s": round(runner.load_s, 3),
-            "startup_s": round(startup_s, 3),
-            "compile_s": compile_info.get("total_s"),
-            "compile_cache_hit": compile_info.get("cache_hit"),
-            "batch_size": b,
-            "input_len": input_len,
-            "output_len": output_len,
-            "runs": runs,
-            "prefill_ms": round(statistics.median(p for p, _ in warm) * 1000, 3),
-            "decode_ms_per_step": round(decode_ms, 3) if decode_ms else None,
-            "decode_ms_p90": round(float(np.percentile(steps, 90)) * 1000, 3) if steps else None,
-            "decode_tok_s": round(b * 1000 / decode_ms, 1) if decode_ms else None,
-            "cold_prefill_ms": round(cold_prefill * 1000, 3),
-            "cold_first_decode_ms": round(cold_steps[0] * 1000, 3) if cold_steps else None,
-            "graphs": {
-                phase: {
-                    k: info.get(k)
-                    for k in ("backend", "captured", "skipped", "capture_s", "replays")
-                }
-                for phase, info in runner.info()["graphs"].items()
-            },
-            "machine": where,
-        }
-        if profile_dir is not None and output_len > 1:
-            profile_dir.mkdir(parents=True, exist_ok=True)
-            trace = profile_dir / f"{label(row)}-bs{b}.json"
-            row["profile"] = profile_decode(runner, reqs, trace)
-        results.append(row)
-    return results
+    # --tp-size N: ranks 1.. in child processes, stopped at the end
+    with running_ranks(args, config) as runner:
+        startup_s = time.perf_counter() - start  # load + compile (+ upfront capture)
+        compile_info = runner.info()["compile"]
+        graphs = runner.graph_configs
+        where = machine()
+        results = []
+        for b in tqdm(batch_sizes, desc="batch sizes", unit="bs"):
+            reqs = Requests(b, input_len, output_len, config.vocab_size, args.seed)
+            cold_prefill, cold_steps = run_once(runner, reqs)
+            warm = [run_once(runner, reqs) for _ in range(runs)]
+            steps = [s for _, run_steps in warm for s in run_steps]
+            decode_ms = statistics.median(steps) * 1000 if steps else None
+            row = {
+                "model": shape or str(args.model_path),
+                "dtype": str(config.dtype).removeprefix("torch."),
+                "device": str(runner.device),
+                "tp_size": args.tp_size,
+                "attention_backend": runner.attention_backend_name,
+                "prefill_backend": graphs[Phase.PREFILL].backend.value,
+                "decode_backend": graphs[Phase.DECODE].backend.value,
+                "enable_torch_compile": args.enable_torch_compile,
+                "tc_compiler": graphs[Phase.DECODE].tc_compiler,
+                "custom_ops": args.custom_ops,
+                "load_s": round(runner.load_s, 3),
+                "startup_s": round(startup_s, 3),
+                "compile_s": compile_info.get("total_s"),
+                "compile_cache_hit": compile_info.get("cache_hit"),
+                "batch_size": b,
+                "input_len": input_len,
+                "output_len": output_len,
+                "runs": runs,
+                "prefill_ms": round(statistics.median(p for p, _ in warm) * 1000, 3),
+                "decode_ms_per_step": round(decode_ms, 3) if decode_ms else None,
+                "decode_ms_p90": round(float(np.percentile(steps, 90)) * 1000, 3)
+                if steps
+                else None,
+                "decode_tok_s": round(b * 1000 / decode_ms, 1) if decode_ms else None,
+                "cold_prefill_ms": round(cold_prefill * 1000, 3),
+                "cold_first_decode_ms": round(cold_steps[0] * 1000, 3) if cold_steps else None,
+                "graphs": {
+                    phase: {
+                        k: info.get(k)
+                        for k in ("backend", "captured", "skipped", "capture_s", "replays")
+                    }
+                    for phase, info in runner.info()["graphs"].items()
+                },
+                "machine": where,
+            }
+            if profile_dir is not None and output_len > 1:
+                profile_dir.mkdir(parents=True, exist_ok=True)
+                trace = profile_dir / f"{label(row)}-bs{b}.json"
+                row["profile"] = profile_decode(runner, reqs, trace)
+            results.append(row)
+        return results
 
 
 def label(row: dict[str, Any]) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,13 +15,9 @@ from typing import Any
 
 import httpx
 
+from srt.tp_rank import free_port
+
 _POLL_S = 0.02  # the resolution of the time to ready
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def add_server_flags_arg(parser: argparse.ArgumentParser, help: str) -> None:

@@ -1,4 +1,9 @@
-"""Token embedding and the LM head."""
+"""Token embedding and the LM head, vocabulary-parallel under tensor parallelism.
+
+Each rank holds a contiguous part of the vocabulary rows (the last part padded with zero rows
+when the vocabulary does not divide): the embedding looks up the ids in its part, zeroes the
+others and sums over the ranks; the LM head computes its part's logits and gathers them all.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +11,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt.distributed import all_gather_last_dim, all_reduce, padded_shard, tp_size
+from srt.layers.linear import CheckpointTensor, check_shape
 
-class VocabEmbedding(nn.Module):
+
+class _VocabRows(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.shard = padded_shard(vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.shard.size, hidden_size))
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
+    def weight_loader(self, param: nn.Parameter, source: CheckpointTensor, shard: int = 0) -> None:
+        check_shape(source, (self.vocab_size, self.hidden_size))
+        real = max(min(self.shard.size, self.vocab_size - self.shard.start), 0)
+        param.data[real:].zero_()
+        if real:
+            rows = slice(self.shard.start, self.shard.start + real)
+            param.data[:real].copy_(source.read((rows, slice(None))))
+
+
+class VocabEmbedding(_VocabRows):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.shard.start
+        outside = (local < 0) | (local >= self.shard.size)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0))
 
 
-class LMHead(nn.Module):
+class LMHead(_VocabRows):
     """Projects hidden states to float32 vocabulary logits (matmul in the model dtype)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight)
+        if tp_size() > 1:
+            logits = all_gather_last_dim(logits)[..., : self.vocab_size]
+        return logits.float()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from srt.layers.linear import LinearShapeError
+from srt.layers.linear import LinearShapeError, check_shape
 from srt.model_config import ModelConfig, ModelLoadError
 from srt.models.llama import LlamaForCausalLM
 from srt.models.registry import get_model_class
@@ -87,14 +88,40 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: Path, device: torch.device) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    """Every tensor of the checkpoint, on `device` (safetensors copies it there from the
-    memory-mapped shard), one at a time."""
+class SafetensorsTensor:
+    """One tensor of an open safetensors file, read on demand to `device`: in full, or only
+    the region a rank holds (a tensor-parallel rank never copies the rest)."""
+
+    def __init__(self, path: Path, file: Any, name: str, device: torch.device) -> None:
+        self._path = path
+        self._file = file
+        self._name = name
+        self._device = device
+        self._slice = file.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def read(self, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        whole = all(
+            s.indices(dim) == (0, dim, 1) for s, dim in zip(index, self.shape, strict=False)
+        )
+        try:
+            if whole:
+                return self._file.get_tensor(self._name)
+            return self._slice[index].to(self._device)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read {self._name} from {self._path}: {e}") from e
+
+
+def iter_checkpoint(
+    path: Path, device: torch.device
+) -> Iterator[tuple[Path, str, SafetensorsTensor]]:
+    """Every tensor of the checkpoint, not read yet: a read copies the region asked for to
+    `device` from the memory-mapped shard."""
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    yield file, name, f.get_tensor(name)
+                    yield file, name, SafetensorsTensor(file, f, name, device)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read weights from {file}: {e}") from e
 
@@ -120,12 +147,9 @@ def load_weights(model: LlamaForCausalLM, path: Path, device: torch.device) -> N
             raise ModelLoadError(f"{file.name}: tensor {name} has no matching model parameter")
         loader = getattr(param, "weight_loader", None)
         try:
-            if loader is None:
-                if param.shape != tensor.shape:
-                    raise LinearShapeError(
-                        f"has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                    )
-                param.data.copy_(tensor)
+            if loader is None:  # replicated: every rank holds all of it
+                check_shape(tensor, tuple(param.shape))
+                param.data.copy_(tensor.read())
             else:
                 loader(param, tensor, shard)
         except LinearShapeError as e:

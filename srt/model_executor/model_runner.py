@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,15 @@ from srt.compilation.cache import CompileCache, collect_factors, default_cache_r
 from srt.compilation.compile_info import compile_info
 from srt.compilation.custom_ops import split_ops
 from srt.custom_op_selection import OpImpl, asks_for_kernels, kernels_missing, resolve_custom_ops
+from srt.distributed import (
+    broadcast_object,
+    destroy_tp,
+    even_shard,
+    gather_objects,
+    init_tp,
+    kv_head_shard,
+    min_over_ranks,
+)
 from srt.layers.attention.base import attention_backend_class
 from srt.layers.custom_op import apply_custom_ops, custom_ops_info, describe_custom_ops
 from srt.layers.sampler import SamplingBatch, logprobs_of, sample
@@ -30,6 +41,7 @@ from srt.model_executor.kv_cache import KVCache, kv_bytes_per_token
 from srt.model_executor.model_loader import load_model
 from srt.model_executor.warmup import WARMUP_ROW, warmup_plans
 from srt.server_args import ServerArgs
+from srt.tp_rank import TPRank
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +80,25 @@ class PendingResult:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, config: ModelConfig) -> None:
+    """One rank's device side. With tensor parallelism every rank builds one; rank 0's
+    `launch` passes each plan on to the others (`follow`), so that all run every step."""
+
+    def __init__(self, args: ServerArgs, config: ModelConfig, tp: TPRank | None = None) -> None:
         self.args = args
         self.config = config
+        self.tp = tp or TPRank()
         self.device = torch.device(args.resolved_device())
         if self.device.type == "cuda":
+            if self.tp.size > 1:  # one GPU per rank (the flag check refuses cuda:N here)
+                self.device = torch.device("cuda", self.tp.rank)
             torch.cuda.set_device(self.device.index or 0)
+        init_tp(self.tp, self.device)  # before the model: its layers take their shards
+        # The heads this rank holds: its attention backend and KV cache see only those.
+        self.rank_config = dataclasses.replace(
+            config,
+            num_heads=even_shard(config.num_heads).size,
+            num_kv_heads=kv_head_shard(config.num_kv_heads).size,
+        )
         torch.manual_seed(args.seed)
         self.attention_backend_name = args.attention_backend or (
             "triton" if self.device.type == "cuda" else "torch_native"
@@ -91,7 +116,7 @@ class ModelRunner:
 
         start = time.perf_counter()
         self.num_slots = self._kv_slots()
-        self.kv_cache = KVCache(config, self.num_slots, self.device)
+        self.kv_cache = KVCache(self.rank_config, self.num_slots, self.device)
         self.kv_alloc_s = time.perf_counter() - start
         for layer, k, v in zip(
             self.model.attention_layers(), self.kv_cache.k, self.kv_cache.v, strict=True
@@ -103,7 +128,9 @@ class ModelRunner:
             dtype=torch.int32,
             device=self.device,
         )
-        self.attn_backend = attn_cls(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.attn_backend = attn_cls(
+            self.rank_config.num_heads, self.rank_config.num_kv_heads, config.head_dim
+        )
         logger.info(
             "KV cache: %d slots, %.1f MiB; attention backend %s",
             self.num_slots,
@@ -138,6 +165,9 @@ class ModelRunner:
         # Ready from here on: a JIT compile now is one the first requests wait for.
         self.jit_misses = JitMissLog()
         self.jit_misses.arm()
+        self.ranks = gather_objects(
+            {"rank": self.tp.rank, "pid": os.getpid(), "device": str(self.device)}
+        )
 
     def _select_custom_ops(self) -> dict[str, OpImpl]:
         missing = kernels_missing(self.device.type)
@@ -158,7 +188,8 @@ class ModelRunner:
         graph_fraction = self.args.cuda_graph_mem_fraction if graphs else 0.0
         budget = total * (self.args.mem_fraction_static - graph_fraction)
         budget -= total - free
-        slots = int(budget // kv_bytes_per_token(self.config))
+        # Every rank sizes its own cache; all must agree on the slots the scheduler plans with.
+        slots = min_over_ranks(int(budget // kv_bytes_per_token(self.rank_config)))
         if slots < 2:
             raise RuntimeError(
                 "no GPU memory left for the KV cache: raise --mem-fraction-static "
@@ -252,6 +283,8 @@ class ModelRunner:
                 "torch_compile_max_bs": args.torch_compile_max_bs,
                 "keep_shape_guards": args.keep_shape_guards,
                 "custom_ops": custom_ops_info(self.custom_ops),
+                # Each rank traces and compiles its own shard's graph.
+                "tp": [self.tp.size, self.tp.rank],
             },
             self.device,
             Path(inspect.getfile(type(self.model))),
@@ -266,7 +299,16 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: BatchPlan) -> PendingResult:
         """Start a step; its result is copied to the host behind the step (on CUDA the call
-        returns before the step has run, so the next plan can be launched meanwhile)."""
+        returns before the step has run, so the next plan can be launched meanwhile). On rank
+        0 of several, the other ranks get the plan first and run it too: their collectives
+        meet rank 0's, their results are dropped (they sample the same ids from the same
+        gathered logits)."""
+        if self.tp.size > 1:
+            assert self.tp.is_leader, "only rank 0 is given plans; the others follow it"
+            broadcast_object(plan)
+        return self._launch(plan)
+
+    def _launch(self, plan: BatchPlan) -> PendingResult:
         batch = self.make_forward_batch(plan)
         self.jit_misses.step = batch.mode, batch.batch_size, batch.num_tokens
         return self.sample(plan, batch, self.forward_logits(batch))
@@ -297,6 +339,20 @@ class ModelRunner:
         """Run a step and wait for its result."""
         return self.launch(plan).wait()
 
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A rank other than 0: run every plan rank 0 passes on, until it says stop."""
+        assert not self.tp.is_leader
+        while (plan := broadcast_object()) is not None:
+            self._launch(plan)
+        destroy_tp()
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to stop, and leave the group."""
+        if self.tp.size > 1 and self.tp.is_leader:
+            broadcast_object(None)
+        destroy_tp()
+
     def info(self) -> dict[str, Any]:
         return {
             "device": str(self.device),
@@ -305,6 +361,8 @@ class ModelRunner:
             "kv_slots": self.num_slots - 1,
             "kv_cache_bytes": self.kv_cache.nbytes,
             "context_length": self.context_length,
+            "tp_size": self.tp.size,
+            "tp_ranks": self.ranks,
             "load_s": round(self.load_s, 3),
             "kv_alloc_s": round(self.kv_alloc_s, 3),
             "warmup_s": round(self.warmup_s, 3),

@@ -4,6 +4,9 @@ A step's result is sent once its ids are on the host; a plan that arrives while 
 on their way is launched first (overlap scheduling: the device does not wait for the host's
 round trip), and while none arrives the loop polls both. Results go out in step order, and an
 info request is answered after every result before it.
+
+With tensor parallelism this is rank 0; every other rank runs a `FollowerLoop`, which takes each
+plan from rank 0 (over the process group, not ZeroMQ) and runs it in step.
 """
 
 from __future__ import annotations
@@ -20,15 +23,20 @@ from srt.model_config import ModelConfig
 from srt.model_executor.model_runner import ModelRunner, PendingResult
 from srt.process import ReadyPipe, run_child
 from srt.server_args import ServerArgs
+from srt.tp_rank import TPRank
 
 logger = logging.getLogger(__name__)
 
 
+def _build_runner(args: ServerArgs, tp: TPRank) -> ModelRunner:
+    assert args.model_path is not None, "the launcher resolves model_path"
+    config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
+    return ModelRunner(args, config, tp)
+
+
 class RunnerLoop:
-    def __init__(self, args: ServerArgs, endpoints: Endpoints) -> None:
-        assert args.model_path is not None, "the launcher resolves model_path"
-        config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
-        self.runner = ModelRunner(args, config)
+    def __init__(self, args: ServerArgs, endpoints: Endpoints, tp: TPRank) -> None:
+        self.runner = _build_runner(args, tp)
         self.ctx = zmq.Context()
         self.inbox = bind_pull(self.ctx, endpoints.runner_inbox)
         self.results = connect_push(self.ctx, endpoints.runner_results)
@@ -71,5 +79,25 @@ class RunnerLoop:
                 raise TypeError(f"model runner got an unexpected message {type(msg).__name__}")
 
 
-def run_runner_process(args: ServerArgs, endpoints: Endpoints, ready: ReadyPipe) -> None:
-    run_child("model_runner", args.log_level, ready, lambda: RunnerLoop(args, endpoints))
+class FollowerLoop:
+    """A rank other than 0: the same runner, given its plans by rank 0."""
+
+    def __init__(self, args: ServerArgs, tp: TPRank) -> None:
+        self.runner = _build_runner(args, tp)
+
+    def figures(self) -> dict[str, Any]:
+        return {"rank": self.runner.tp.rank}
+
+    def run(self) -> None:
+        self.runner.follow()
+
+
+def run_runner_process(
+    args: ServerArgs, endpoints: Endpoints, tp: TPRank, ready: ReadyPipe
+) -> None:
+    run_child("model_runner", args.log_level, ready, lambda: RunnerLoop(args, endpoints, tp))
+
+
+def run_follower_process(args: ServerArgs, tp: TPRank, ready: ReadyPipe) -> None:
+    """Rank `tp.rank` (not 0) of the model runner, in the server or under an Engine."""
+    run_child(f"model_runner_rank{tp.rank}", args.log_level, ready, lambda: FollowerLoop(args, tp))

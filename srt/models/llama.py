@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from srt.distributed import Shard, even_shard, kv_head_shard
 from srt.layers.activation import SiluAndMul
 from srt.layers.attention.layer import Attention
 from srt.layers.embedding import LMHead, VocabEmbedding
 from srt.layers.layernorm import RMSNorm
-from srt.layers.linear import Linear
+from srt.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.layers.rotary_embedding import RotaryEmbedding
 from srt.model_config import ModelConfig
 
@@ -21,8 +22,10 @@ from srt.model_config import ModelConfig
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = Linear(intermediate_size, [hidden_size])
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size]
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,20 +37,30 @@ class LlamaAttention(nn.Module):
         self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
     ) -> None:
         super().__init__()
-        self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = Linear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
+        self.head_dim = d = config.head_dim
+        # This rank's heads: an equal part of the query heads, and of the KV heads (or the one
+        # KV head it shares with its neighbours when there are fewer KV heads than ranks).
+        heads = even_shard(config.num_heads)
+        kv_heads = kv_head_shard(config.num_kv_heads)
+        self.q_size = heads.size * d
+        self.kv_size = kv_heads.size * d
+        q_rows = Shard(heads.start * d, self.q_size)
+        kv_rows = Shard(kv_heads.start * d, self.kv_size)
+        kv_total = config.num_kv_heads * d
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [config.num_heads * d, kv_total, kv_total],
+            bias=qkv_bias,
+            out_shards=[q_rows, kv_rows, kv_rows],
         )
         # Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2 configs never set it.
-        self.o_proj = Linear(self.q_size, [config.hidden_size], bias=config.attention_bias)
-        self.rotary = rotary
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = Attention(
-            config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5
+        self.o_proj = RowParallelLinear(
+            config.num_heads * d, config.hidden_size, bias=config.attention_bias
         )
+        self.rotary = rotary
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(heads.size, kv_heads.size, d, d**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
