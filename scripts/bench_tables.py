@@ -31,6 +31,9 @@ def runner_tables(rows: list[dict[str, Any]]) -> str:
         grid: dict[str, dict[int, float]] = defaultdict(dict)
         for r in mine:
             grid[path_label(r)][r["batch_size"]] = r["decode_ms_per_step"]
+        for r in mine:  # the same steps overlapped as the server runs them
+            if r.get("decode_ms_overlapped"):
+                grid[f"{path_label(r)}, overlapped"][r["batch_size"]] = r["decode_ms_overlapped"]
         floor = grid.get("bandwidth-floor", {})
         table = [
             {
@@ -104,6 +107,8 @@ def main(paths: list[str]) -> None:
         data = json.loads(path.read_text())
         if "runs" in data and data["runs"] and "cache" in data["runs"][0]:
             print(markdown_table(cold_start.table_rows(data["runs"]), cold_start.TABLE))
+            print()
+            print(markdown_table(cold_start.table_rows(data["runs"]), cold_start.PARTS_TABLE))
             print()
             print(
                 markdown_table(

@@ -14,9 +14,10 @@
 #   runner-SHAPE         one_batch for disabled, full, full --enable-torch-compile, full over
 #                        Inductor pieces, breakable,
 #                        tc_piecewise eager and inductor; hf_baseline (floor, cuBLAS chain, HF)
+#                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists)
 #   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list)
 #   serving-SHAPE        serving at concurrency 1, 32, 64, 128: decode full (lazy) with and
-#                        without overlap scheduling, and nographs
+#                        without overlap scheduling, and nographs (SERVING_VARIANTS overrides)
 # SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first.
 # Exit status: non-zero if any step failed (the others still run).
 set -uo pipefail
@@ -56,6 +57,9 @@ runner() {  # the decode paths of srt and the alternatives on one shape
   local shape=$1 file="$out/runner-$1.jsonl" cache="$work/cache-$1"
   local sizes="1 8 32 128"
   [ "$shape" = llama-3.2-1b ] && sizes="1 8 16 32 64 128"  # beside serving's concurrencies
+  sizes=${RUNNER_SIZES:-$sizes}
+  local configs=${RUNNER_CONFIGS:-disabled full full-compile full-inductor breakable tc-eager tc-inductor}
+  local methods=${HF_METHODS:-hf-eager hf-generate-static cublas-chain hf-compile-reduce-overhead}
   rm -f "$file"
   one() {
     local name=$1; shift
@@ -65,18 +69,31 @@ runner() {  # the decode paths of srt and the alternatives on one shape
       --cuda-graph-backend-prefill disabled --compile-cache-dir "$cache" \
       --profile "$work/profile-$shape" --result-file "$file" "$@"
   }
-  one disabled --cuda-graph-backend-decode disabled
-  one full --cuda-graph-backend-decode full
-  one full-compile --cuda-graph-backend-decode full --enable-torch-compile
-  one full-inductor --cuda-graph-backend-decode full --cuda-graph-tc-compiler inductor
-  one breakable --cuda-graph-backend-decode breakable
-  one tc-eager --cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler eager
-  one tc-inductor --cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor
-  # shellcheck disable=SC2086
-  step "hf-$shape" python3 -m srt.bench.hf_baseline --model-shape "$shape" --batch-size $sizes \
-    --methods hf-eager hf-generate-static cublas-chain --result-file "$file"
-  step "hf-compile-$shape" python3 -m srt.bench.hf_baseline --model-shape "$shape" \
-    --batch-size 1 --methods hf-compile-reduce-overhead --result-file "$file"
+  declare -A flags=(
+    [disabled]="--cuda-graph-backend-decode disabled"
+    [full]="--cuda-graph-backend-decode full"
+    [full-compile]="--cuda-graph-backend-decode full --enable-torch-compile"
+    [full-inductor]="--cuda-graph-backend-decode full --cuda-graph-tc-compiler inductor"
+    [breakable]="--cuda-graph-backend-decode breakable"
+    [tc-eager]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler eager"
+    [tc-inductor]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor"
+  )
+  local config method
+  for config in $configs; do
+    # shellcheck disable=SC2086
+    one "$config" ${flags[$config]}
+  done
+  # transformers' compiled forward is measured at batch 1 only: each size is another compile.
+  for method in $methods; do
+    if [ "$method" = hf-compile-reduce-overhead ]; then
+      step "$method-$shape" python3 -m srt.bench.hf_baseline --model-shape "$shape" \
+        --batch-size 1 --methods "$method" --result-file "$file"
+    else
+      # shellcheck disable=SC2086
+      step "$method-$shape" python3 -m srt.bench.hf_baseline --model-shape "$shape" \
+        --batch-size $sizes --methods "$method" --result-file "$file"
+    fi
+  done
 }
 
 checkpoint() {  # sets CKPT: a random checkpoint of the shape on local disk, written once
@@ -100,7 +117,7 @@ cold_start() {
 serving() {  # decode full with overlap (the default), without it, and with no graphs
   local shape=$1 variant
   checkpoint "$shape"
-  for variant in full no-overlap nographs; do
+  for variant in ${SERVING_VARIANTS:-full no-overlap nographs}; do
     local flags=(--cuda-graph-backend-decode full)
     [ $variant = no-overlap ] && flags+=(--disable-overlap-schedule)
     [ $variant = nographs ] && flags=(--disable-cuda-graph)
@@ -113,7 +130,10 @@ serving() {  # decode full with overlap (the default), without it, and with no g
 
 for stage in "$@"; do
   case $stage in
-    tests) step tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests ;;
+    tests)  # its whole log comes back: the failures are what the next round fixes
+      step tests timeout "${TESTS_TIMEOUT:-1200}" python3 -m pytest -m gpu -q -rs \
+        -p no:cacheprovider tests
+      cp "$work/logs/tests.log" "$out/tests.log" ;;
     runner-*) runner "${stage#runner-}" ;;
     cold_start-*) cold_start "${stage#cold_start-}" ;;
     serving-*) serving "${stage#serving-}" ;;

@@ -58,6 +58,7 @@ def test_one_batch_with_profile(tiny_llama: Path, tmp_path: Path, capsys) -> Non
     for r in rows:
         assert r["decode_backend"] == "disabled" and r["device"] == "cpu"
         assert r["decode_ms_per_step"] > 0 and r["prefill_ms"] > 0
+        assert r["decode_ms_overlapped"] > 0  # its ids were checked against the steps'
         assert r["decode_tok_s"] == pytest.approx(
             r["batch_size"] * 1000 / r["decode_ms_per_step"], rel=1e-2
         )
@@ -103,6 +104,14 @@ def test_trace_summary_counts_kernels_and_waits() -> None:
     top = summary["top_kernels"]
     assert [k["name"] for k in top][:2] == ["gemm", "rmsnorm"]
     assert top[0]["calls_per_step"] == 2 and top[0]["ms_per_step"] == 0.6
+    calls = summary["top_runtime_calls"]
+    assert [c["name"] for c in calls] == [
+        "cudaMemcpyAsync",
+        "cudaStreamSynchronize",
+        "cudaLaunchKernel",
+    ]
+    assert calls[0] == {"name": "cudaMemcpyAsync", "ms_per_step": 0.32, "calls_per_step": 2.0}
+    assert summary["top_host_ops"] == []  # no torch ops in this trace
 
 
 # ---- serving -------------------------------------------------------------------------------

@@ -327,6 +327,23 @@ TABLE = [
     ("graph MiB", "graph_mib"),
     ("errors", "errors"),
 ]
+# Where a start's seconds went, process by process (the critical path is the slowest child).
+PARTS_TABLE = [
+    ("config", "config"),
+    ("cache", "cache"),
+    ("ready s", "ready_s"),
+    ("runner imports", "model_runner_spawn_imports_s"),
+    ("device init", "model_runner_device_init_s"),
+    ("load", "model_runner_load_s"),
+    ("kernels import", "model_runner_custom_ops_s"),
+    ("dynamo", "model_runner_dynamo_s"),
+    ("inductor", "model_runner_inductor_s"),
+    ("warm-up", "model_runner_warmup_s"),
+    ("capture", "model_runner_capture_s"),
+    ("runner other", "model_runner_other_s"),
+    ("tokenizer imports", "tokenizer_imports_s"),
+    ("tokenizer load", "tokenizer_tokenizer_s"),
+]
 BUCKET_TABLE = [
     ("config", "config"),
     ("cache", "cache"),
@@ -460,27 +477,29 @@ def main(argv: list[str] | None = None) -> None:
                 "--load-format",
                 "dummy",
             ]
-        rows = []
+        rows: list[dict[str, Any]] = []
         reference_s = import_torch_s()
+        result = {
+            "machine": machine(),
+            "import_torch_s": reference_s,
+            "model": ns.model_path or ns.model_shape,
+            "common_flags": common,
+            "runs": rows,
+        }
         runs = [(n, f, s) for n, f in configs for s in CACHE_STATES]
         for name, flags, state in tqdm(runs, desc="server starts", unit="start"):
             row = measure_start(name, [*model, *common, *flags], root / name, state, ns, log_dir)
             if "ready_s" in row:
                 row["ready_over_import_torch"] = round(row["ready_s"] / reference_s, 2)
             rows.append(row)
-    result = {
-        "machine": machine(),
-        "import_torch_s": reference_s,
-        "model": ns.model_path or ns.model_shape,
-        "common_flags": common,
-        "runs": rows,
-    }
-    if ns.output_file:
-        write_json(ns.output_file, result)
+            if ns.output_file:  # after every start: a run cut short keeps what it measured
+                write_json(ns.output_file, result)
     if ns.plot:
         plot(rows, ns.plot)
     flat = table_rows(rows)
     print(format_table(flat, TABLE))
+    print()
+    print(format_table(flat, PARTS_TABLE))
     print()
     print(
         format_table(

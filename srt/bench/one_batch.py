@@ -8,10 +8,12 @@ and fed to `ModelRunner.forward`, so the figures are the runner's own.
 `--model-shape` benches a published shape with random weights drawn on the device
 (`--load-format dummy`); `--model-path` a real checkpoint. Each batch size runs once cold (that
 is when lazy capture happens: the cold figures include it) and then `--runs` times warm; the
-warm medians are reported. `--profile DIR` then runs the decode steps once more under
-`torch.profiler`, writes the trace to DIR and adds its summary (GPU kernel ms, kernels and
-host ms per step, the top kernels). One JSON line per batch size is appended to
-`--result-file`; the table is printed last.
+warm medians are reported, and decode once more per run with the steps overlapped as the
+server runs them (step N+1 launched before N's ids are read; `decode_ms_overlapped`), which
+hides the host's share of a step behind the device's. `--profile DIR` then runs the decode
+steps once more under `torch.profiler`, writes the trace to DIR and adds its summary (GPU
+kernel ms, kernels and host ms per step, the top kernels). One JSON line per batch size is
+appended to `--result-file`; the table is printed last.
 """
 
 from __future__ import annotations
@@ -63,8 +65,16 @@ class Requests:
         span = self.input_len + self.output_len
         self.slots = 1 + np.arange(self.batch)[:, None] * span + np.arange(span)[None, :]
 
-    def plan(self, mode: ForwardMode, start: int, tokens: np.ndarray) -> BatchPlan:
-        """The plan computing positions [start, start + tokens.shape[1]) of every request."""
+    def plan(
+        self,
+        mode: ForwardMode,
+        start: int,
+        tokens: np.ndarray,
+        step: int = 0,
+        from_prev: bool = False,
+    ) -> BatchPlan:
+        """The plan computing positions [start, start + tokens.shape[1]) of every request; with
+        `from_prev` (decode), its input ids are the previous step's samples on the device."""
         b, n = tokens.shape
         cols = np.tile(np.arange(start, start + n), b)
         rows = np.repeat(np.arange(b), n)
@@ -86,18 +96,25 @@ class Requests:
             top_ks=np.full(b, self.vocab_size, np.int64),
             min_ps=np.zeros(b, np.float32),
             seeds=np.zeros(b, np.int64),
+            step=step,
+            input_from_prev=np.arange(b, dtype=i32) if from_prev else None,
         )
 
 
-def run_once(
-    runner: ModelRunner, reqs: Requests, profiler: Any = None
-) -> tuple[float, list[float]]:
-    """One prefill and `output_len - 1` decode steps: (prefill s, [decode step s]). With a
+@dataclasses.dataclass
+class Run:
+    prefill_s: float
+    step_s: list[float]  # each decode step's wall time (synchronous steps only)
+    ids: np.ndarray  # [B, output_len] the sampled ids
+
+
+def run_once(runner: ModelRunner, reqs: Requests, profiler: Any = None) -> Run:
+    """One prefill and `output_len - 1` decode steps, each waited for. With a
     `torch.profiler.profile`, it records the decode steps only, each annotated."""
     start = time.perf_counter()
     ids = runner.forward(reqs.plan(ForwardMode.EXTEND, 0, reqs.prompts)).next_token_ids
     prefill_s = time.perf_counter() - start
-    steps = []
+    steps, sampled = [], [ids]
     if profiler is not None:
         profiler.start()
     for step in range(reqs.output_len - 1):
@@ -106,13 +123,37 @@ def run_once(
             plan = reqs.plan(ForwardMode.DECODE, reqs.input_len + step, ids.reshape(-1, 1))
             ids = runner.forward(plan).next_token_ids  # a host copy: the step is finished
             steps.append(time.perf_counter() - start)
+        sampled.append(ids)
     if profiler is not None:
         profiler.stop()
-    return prefill_s, steps
+    return Run(prefill_s, steps, np.stack(sampled, axis=1))
+
+
+def run_overlapped(runner: ModelRunner, reqs: Requests) -> tuple[float, np.ndarray]:
+    """Decode as the server's overlap scheduler runs it: step N+1 is launched, its input ids
+    the device's samples of step N, before N's ids are read, so that the host's work of a step
+    (plan, upload, launch, the read of the result) runs while the device computes. Returns
+    (s per decode step, the sampled ids [B, output_len])."""
+    sampled = [runner.forward(reqs.plan(ForwardMode.EXTEND, 0, reqs.prompts)).next_token_ids]
+    placeholder = np.zeros((reqs.batch, 1), np.int64)  # the ids come from the device
+    steps = reqs.output_len - 1
+    start = time.perf_counter()
+    pending = None
+    for step in range(1, steps + 1):
+        plan = reqs.plan(
+            ForwardMode.DECODE, reqs.input_len + step - 1, placeholder, step, from_prev=True
+        )
+        launched = runner.launch(plan)
+        if pending is not None:
+            sampled.append(pending.wait().next_token_ids)
+        pending = launched
+    if pending is not None:
+        sampled.append(pending.wait().next_token_ids)
+    return (time.perf_counter() - start) / max(steps, 1), np.stack(sampled, axis=1)
 
 
 def profile_decode(
-    runner: ModelRunner, reqs: Requests, trace: Path, top: int = 10
+    runner: ModelRunner, reqs: Requests, trace: Path, top: int = 25
 ) -> dict[str, Any]:
     """Profile one run's decode steps (warm), write the Kineto trace, summarise it."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -126,7 +167,8 @@ def profile_decode(
 
 def summarize_trace(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
     """Per decode step: wall ms (the annotated steps), device busy ms and kernel count,
-    host ms (wall less the time the host sat waiting for the device), the top kernels."""
+    host ms (wall less the time the host sat waiting for the device), the top kernels, the
+    top host ops and CUDA runtime calls."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     steps = [
         e for e in events if e.get("name") == STEP_ANNOTATION and e.get("cat") == "user_annotation"
@@ -153,6 +195,19 @@ def summarize_trace(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
     wall_ms = sum(e["dur"] for e in steps) / 1000
     wait_ms = sum(e["dur"] for e in waits) / 1000
     ranked = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
+
+    def host_ranking(category: str) -> list[dict[str, Any]]:
+        """The host side by name: torch ops (times include the ops they call) or CUDA runtime
+        calls (launches, copies, synchronisations), ms and calls per step."""
+        calls: dict[str, list[float]] = collections.defaultdict(list)
+        for e in events:
+            if e.get("cat") == category:
+                calls[e["name"]].append(e["dur"] / 1000)
+        return [
+            {"name": name, "ms_per_step": round(sum(d) / n, 4), "calls_per_step": len(d) / n}
+            for name, d in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:top]
+        ]
+
     return {
         "steps": len(steps),
         "wall_ms_per_step": round(wall_ms / n, 3),
@@ -169,6 +224,8 @@ def summarize_trace(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
             }
             for name, d in ranked
         ],
+        "top_host_ops": host_ranking("cpu_op"),
+        "top_runtime_calls": host_ranking("cuda_runtime"),
     }
 
 
@@ -193,10 +250,18 @@ def bench(
         results = []
         for b in tqdm(batch_sizes, desc="batch sizes", unit="bs"):
             reqs = Requests(b, input_len, output_len, config.vocab_size, args.seed)
-            cold_prefill, cold_steps = run_once(runner, reqs)
+            cold = run_once(runner, reqs)
             warm = [run_once(runner, reqs) for _ in range(runs)]
-            steps = [s for _, run_steps in warm for s in run_steps]
+            steps = [s for run in warm for s in run.step_s]
             decode_ms = statistics.median(steps) * 1000 if steps else None
+            overlapped = [run_overlapped(runner, reqs) for _ in range(runs)]
+            # Greedy, through the same graphs: the same ids whichever way the steps ran.
+            same_graphs = warm[-1] if warm else cold
+            for _, ids in overlapped:
+                if not np.array_equal(ids, same_graphs.ids):
+                    raise RuntimeError(
+                        f"batch {b}: overlapped decode sampled other ids than synchronous steps"
+                    )
             row = {
                 "model": shape or str(args.model_path),
                 "dtype": str(config.dtype).removeprefix("torch."),
@@ -216,14 +281,17 @@ def bench(
                 "input_len": input_len,
                 "output_len": output_len,
                 "runs": runs,
-                "prefill_ms": round(statistics.median(p for p, _ in warm) * 1000, 3),
+                "prefill_ms": round(statistics.median(r.prefill_s for r in warm) * 1000, 3),
                 "decode_ms_per_step": round(decode_ms, 3) if decode_ms else None,
                 "decode_ms_p90": round(float(np.percentile(steps, 90)) * 1000, 3)
                 if steps
                 else None,
                 "decode_tok_s": round(b * 1000 / decode_ms, 1) if decode_ms else None,
-                "cold_prefill_ms": round(cold_prefill * 1000, 3),
-                "cold_first_decode_ms": round(cold_steps[0] * 1000, 3) if cold_steps else None,
+                "decode_ms_overlapped": round(statistics.median(o for o, _ in overlapped) * 1000, 3)
+                if steps
+                else None,
+                "cold_prefill_ms": round(cold.prefill_s * 1000, 3),
+                "cold_first_decode_ms": round(cold.step_s[0] * 1000, 3) if cold.step_s else None,
                 "graphs": {
                     phase: {
                         k: info.get(k)
@@ -242,11 +310,12 @@ def bench(
 
 
 def label(row: dict[str, Any]) -> str:
-    """The decode path of a result row, e.g. `full+compile` or `tc_piecewise-inductor`."""
+    """The decode path of a result row, e.g. `full+compile`, `full-inductor` (the captured
+    graph over Inductor pieces) or `tc_piecewise-inductor`."""
     name = row["decode_backend"]
     if row.get("enable_torch_compile") and name == "full":
-        name += "+compile"
-    if name == "tc_piecewise" and row.get("tc_compiler"):
+        return name + "+compile"
+    if name in ("full", "tc_piecewise") and row.get("tc_compiler"):
         name += f"-{row['tc_compiler']}"
     return name
 
@@ -259,6 +328,7 @@ TABLE = [
     ("prefill ms", "prefill_ms"),
     ("decode ms/step", "decode_ms_per_step"),
     ("decode tok/s", "decode_tok_s"),
+    ("overlapped ms/step", "decode_ms_overlapped"),
     ("cold 1st decode ms", "cold_first_decode_ms"),
 ]
 PROFILE_TABLE = [

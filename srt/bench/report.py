@@ -66,7 +66,11 @@ def machine() -> dict[str, Any]:
 
 
 def write_json(path: str | Path, data: Any) -> None:
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    """Write atomically: a reader (or a run killed mid-write) sees the old file or the new."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def append_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
