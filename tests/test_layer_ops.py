@@ -280,6 +280,32 @@ def test_kernels_match_the_reference(device: str, dtype: torch.dtype) -> None:
             )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_kv_write_kernel_matches_indexed_assignment(device: str, dtype: torch.dtype) -> None:
+    """The attention backends' one KV write: K and V as the model passes them (views of the
+    fused qkv projection), an odd head size, padded tokens all on the dummy slot 0."""
+    from srt.layers.attention.triton_ops.kv_write import write_kv
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, head_dim, slots = 7, 3, 72, 40
+    qkv = torch.randn(tokens, (4 + 2) * heads * head_dim, generator=gen).to(device, dtype)
+    k, v = qkv[:, 4 * heads * head_dim :].split(heads * head_dim, dim=-1)
+    k, v = k.view(tokens, heads, head_dim), v.view(tokens, heads, head_dim)
+    loc = torch.tensor([5, 39, 1, 12, 0, 0, 0], dtype=torch.int32, device=device)
+    poison = torch.full((slots, heads, head_dim), float("nan"), dtype=dtype, device=device)
+    caches = [poison.clone(), poison.clone()]
+    write_kv(*caches, loc, k, v)
+    want = [poison.clone(), poison.clone()]
+    want[0][loc[:4].long()], want[1][loc[:4].long()] = k[:4], v[:4]
+    for got, expected, src in zip(caches, want, (k, v), strict=True):
+        # Every slot but 0 is the reference's exactly. Slot 0 took the three padded tokens,
+        # racing (on the GPU the last store of each element wins): each of its elements is
+        # that element of one of them.
+        assert torch.equal(got[1:].nan_to_num(7.0), expected[1:].nan_to_num(7.0))
+        assert (got[0][None] == src[4:]).any(dim=0).all()
+
+
 ARCHS = [("llama", {"rope_scaling": "llama3"}), ("qwen3", {})]  # rope scaling; q/k norm
 
 

@@ -199,3 +199,40 @@ def test_overlap_on_cuda_gives_the_same_ids(tiny_llama: Path) -> None:
         sync = drive(eng, jobs, overlap=False)
         overlapped = drive(eng, jobs, overlap=True)
     assert {r: s.ids for r, s in overlapped.items()} == {r: s.ids for r, s in sync.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", ["disabled", "full"])
+def test_launching_a_decode_step_never_waits_for_the_device(tiny_llama: Path, decode: str) -> None:
+    """Overlap needs a launch that returns while the device still computes: no upload that
+    blocks (a blocking host-to-device copy synchronises the stream), no read of a device value.
+    CUDA's sync debug mode turns any synchronising call inside the launch into an error."""
+    import numpy as np
+    import torch
+
+    from srt.batch_layout import ForwardMode
+    from srt.bench.one_batch import Requests
+
+    with Engine(
+        model_path=str(tiny_llama),
+        device="cuda",
+        dtype="bfloat16",
+        cuda_graph_backend_decode=decode,
+        cuda_graph_backend_prefill="disabled",
+    ) as eng:
+        runner = eng.runner
+        reqs = Requests(4, 9, 8, runner.config.vocab_size, seed=0)
+        runner.forward(reqs.plan(ForwardMode.EXTEND, 0, reqs.prompts))
+        placeholder = np.zeros((4, 1), np.int64)
+        # The first decode step captures its bucket (that may synchronise); the rest launch.
+        pending = runner.launch(reqs.plan(ForwardMode.DECODE, 9, placeholder, 1, from_prev=True))
+        for step in range(2, 7):
+            plan = reqs.plan(ForwardMode.DECODE, 8 + step, placeholder, step, from_prev=True)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                launched = runner.launch(plan)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            pending.wait()
+            pending = launched
+        pending.wait()

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from srt.batch_layout import ForwardMode
+from srt.custom_op_selection import HAS_TRITON
 from srt.model_executor.forward_batch import ForwardBatch
 
 
@@ -18,10 +19,36 @@ class AttentionBackend(ABC):
     tail `out[num_tokens:]`.
     """
 
+    # Whether `write_kv` may use its Triton kernel: not for the reference backend, whose
+    # writes stay plain PyTorch so that it checks the kernels, that one included.
+    kv_write_kernel = True
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+
+    def write_kv(
+        self,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        """The one place a step's new K and V (`[T, Hkv * D]`) go into the cache, at the slots
+        `loc` (`[T]`): one Triton launch for both on CUDA (where the backend allows it),
+        indexed assignment otherwise."""
+        t = loc.shape[0]
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.kv_write_kernel and k.is_cuda and HAS_TRITON:
+            from srt.layers.attention.triton_ops.kv_write import write_kv
+
+            write_kv(k_cache, v_cache, loc, k, v)
+        else:
+            k_cache[loc] = k
+            v_cache[loc] = v
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:  # noqa: B027 (optional hook)
         """Prepare per-step metadata, once per forward, before any layer runs."""

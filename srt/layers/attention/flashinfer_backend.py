@@ -198,8 +198,7 @@ class FlashInferBackend(AttentionBackend):
             self.dtypes = dtypes
             self._plan(step)
         t = q.shape[0]
-        k_cache[step.out_cache_loc] = k.view(t, self.num_kv_heads, self.head_dim)
-        v_cache[step.out_cache_loc] = v.view(t, self.num_kv_heads, self.head_dim)
+        self.write_kv(step.out_cache_loc, k, v, k_cache, v_cache)
         q = q.view(t, self.num_heads, self.head_dim)
         o = out.view(t, self.num_heads, self.head_dim)
         # Page size 1, NHD: [slots, 1, Hkv, D].

@@ -13,6 +13,8 @@ from srt.model_executor.forward_batch import ForwardBatch
 
 
 class TorchNativeBackend(AttentionBackend):
+    kv_write_kernel = False  # the reference of every kernel, the KV write's too
+
     def forward(
         self,
         batch: ForwardBatch,
@@ -25,8 +27,7 @@ class TorchNativeBackend(AttentionBackend):
         scaling: float,
     ) -> None:
         t = q.shape[0]
-        k_cache[batch.out_cache_loc] = k.view(t, self.num_kv_heads, self.head_dim)
-        v_cache[batch.out_cache_loc] = v.view(t, self.num_kv_heads, self.head_dim)
+        self.write_kv(batch.out_cache_loc, k, v, k_cache, v_cache)
         q = q.view(t, self.num_heads, self.head_dim)
         o = out.view(t, self.num_heads, self.head_dim)
         start = 0

@@ -157,7 +157,9 @@ class TritonBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         layout = self._eager_layout(batch)
         device = batch.out_cache_loc.device
-        ints = torch.from_numpy(plan_step(batch, layout)).to(device)
+        # non_blocking: a blocking upload waits for the device to finish all earlier work,
+        # which would stall a host that runs a step ahead (overlap scheduling).
+        ints = torch.from_numpy(plan_step(batch, layout)).to(device, non_blocking=True)
         scratch = torch.empty(
             layout.scratch_numel(self.num_heads, self.head_dim),
             dtype=torch.float32,
@@ -194,7 +196,8 @@ class TritonBackend(AttentionBackend):
         ):
             raise ValueError(f"bucket {bucket} exceeds the sizes given to init_graph_state")
         plan = torch.from_numpy(plan_step(batch, layout))
-        self.static_ints[: plan.numel()].copy_(plan)
+        # non_blocking, as in init_forward_metadata (a pageable source is staged at once).
+        self.static_ints[: plan.numel()].copy_(plan, non_blocking=True)
         self.step = self._views(layout, self.static_ints, batch.out_cache_loc, self.static_scratch)
 
     # ---- the layer op ----
@@ -218,8 +221,7 @@ class TritonBackend(AttentionBackend):
                 f"triton attention: no metadata for a step of {t} tokens "
                 "(init_forward_metadata must run before the layers)"
             )
-        k_cache[step.out_cache_loc] = k.view(t, self.num_kv_heads, self.head_dim)
-        v_cache[step.out_cache_loc] = v.view(t, self.num_kv_heads, self.head_dim)
+        self.write_kv(step.out_cache_loc, k, v, k_cache, v_cache)
         q = q.view(t, self.num_heads, self.head_dim)
         o = out.view(t, self.num_heads, self.head_dim)
         req_rows, seq_lens, prefix_lens, extend_lens, extend_starts = step.fields
