@@ -338,7 +338,9 @@ def runner_parts(figures: dict[str, Any]) -> dict[str, float]:
     compiled = info.get("compile") or {}
     return {
         "spawn_imports_s": figures["spawn_imports_s"],
+        "device_init_s": info["device_init_s"],  # the CUDA context and cuBLAS's handles
         "load_s": info["load_s"],
+        "custom_ops_s": info["custom_ops_s"],  # the layer kernels' selection and import
         "kv_alloc_s": info["kv_alloc_s"],
         "dynamo_s": compiled.get("dynamo_s", 0.0),
         "graph_load_s": compiled.get("graph_load_s", 0.0),  # the saved trace, on a warm start

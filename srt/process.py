@@ -28,7 +28,8 @@ _PR_SET_PDEATHSIG = 1
 def configure_logging(level: str, process: str) -> None:
     logging.basicConfig(
         level=level.upper(),
-        format=f"%(asctime)s [{process}] %(levelname)s %(name)s: %(message)s",
+        # Milliseconds: the startup lines of three processes interleave within a second.
+        format=f"%(asctime)s.%(msecs)03d [{process}] %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         force=True,
     )

@@ -98,3 +98,38 @@ def test_the_runner_skips_the_compiler_until_a_phase_compiles() -> None:
 def test_check_sees_torch() -> None:
     # The check itself can fail: the runner's modules do import torch.
     assert "torch" in imported_after("srt.model_executor.runner_process")
+
+
+def test_serving_without_compiling_imports_no_dynamo(tiny_llama: Path) -> None:
+    # Importing Dynamo costs seconds (about as much as torch itself on some hosts); a runner
+    # that compiles nothing must not pay it, neither at start nor on its first requests (a
+    # torch.library op's own dispatch would import it on first call).
+    then = (
+        f"eng = srt.Engine(model_path={str(tiny_llama)!r}, device='cpu', dtype='float32')\n"
+        "eng.generate(input_ids=[[5, 6, 7]], sampling_params={'max_new_tokens': 3})\n"
+        "eng.shutdown()"
+    )
+    modules = imported_after("srt", then)
+    assert "srt.model_executor.model_runner" in modules
+    assert heavy(modules, ("torch._dynamo", "torch._inductor")) == []
+
+
+def test_loading_the_tokenizer_imports_no_torch(tiny_llama: Path) -> None:
+    # The launcher loads it; some transformers releases import torch from their tokenizer
+    # module whenever it is installed (seconds). Hidden from them, torch stays importable,
+    # and their "PyTorch was not found" warning is not in the log.
+    code = (
+        "import sys\n"
+        "from srt.managers.tokenizer import load_tokenizer\n"
+        f"tok = load_tokenizer({str(tiny_llama)!r})\n"
+        "print('torch' in sys.modules, tok.decode(tok.encode('hello')))\n"
+        "import torch\n"
+        "print(torch.ones(1).item())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    imported_torch, text = out.stdout.splitlines()[0].split(" ", 1)
+    assert imported_torch == "False" and "hello" in text
+    assert out.stdout.splitlines()[1] == "1.0"  # torch itself still imports afterwards
+    assert "PyTorch was not found" not in out.stderr

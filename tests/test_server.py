@@ -735,7 +735,9 @@ def test_startup_breakdown(server: ServerProcess) -> None:
         "scheduler": ["spawn_imports_s", "other_s"],
         "model_runner": [
             "spawn_imports_s",
+            "device_init_s",
             "load_s",
+            "custom_ops_s",
             "kv_alloc_s",
             "dynamo_s",
             "graph_load_s",
@@ -753,6 +755,7 @@ def test_startup_breakdown(server: ServerProcess) -> None:
     runner = procs["model_runner"]
     assert runner["breakdown"]["load_s"] == info["runner"]["load_s"]
     assert runner["breakdown"]["kv_alloc_s"] == info["runner"]["kv_alloc_s"]
+    assert runner["breakdown"]["custom_ops_s"] == info["runner"]["custom_ops_s"]
     assert runner["breakdown"]["spawn_imports_s"] == runner["spawn_imports_s"] > 0
     assert procs["tokenizer"]["total_s"] == info["startup_s"]
     # Spawned before the launcher's own heavy imports, which come after its start.

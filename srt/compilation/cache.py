@@ -180,7 +180,9 @@ def cuda_factor(device: torch.device) -> dict[str, Any]:
     }
 
 
-def compiler_factor(device: torch.device) -> dict[str, Any]:
+def compiler_factor(device: torch.device, inductor: bool = True) -> dict[str, Any]:
+    """The toolchain. Inductor's settings only where it compiles (`inductor`): reading them
+    imports Inductor and Dynamo, seconds of startup for a setup that only captures."""
     factor: dict[str, Any] = {
         "torch": torch.__version__,
         "torch_git": torch.version.git_version,
@@ -188,7 +190,7 @@ def compiler_factor(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "device": device.type,
         "cpu": cpu_factor(),  # CUDA graphs can hold CPU kernels too; the host is the host
-        "inductor": inductor_factor(device),
+        "inductor": inductor_factor(device) if inductor else None,
     }
     if device.type == "cuda":
         factor["cuda"] = cuda_factor(device)
@@ -212,14 +214,16 @@ def collect_factors(
     device: torch.device,
     model_file: Path,
     source_roots: Sequence[Path] = (SRT_ROOT,),
+    inductor: bool = True,
 ) -> CacheFactors:
     """The factors of this process: `config` is the model config plus the graph-relevant
-    runtime options; the code factor covers `source_roots` and `model_file`."""
+    runtime options; the code factor covers `source_roots` and `model_file`; `inductor`:
+    whether anything cached is Inductor's output."""
     return CacheFactors(
         environment=environment_factor(),
         config=config,
         code=code_factor(source_files([*source_roots, model_file])),
-        compiler=compiler_factor(device),
+        compiler=compiler_factor(device, inductor),
     )
 
 
@@ -323,23 +327,29 @@ def _tree(root: Path) -> Iterator[Path]:
         yield from (here / f for f in filenames)
 
 
+def open_cache_root(root: Path) -> Path:
+    """The compile cache root, made private (0700) if it is new; an existing one with a looser
+    mode is warned about, not changed."""
+    root = Path(root).expanduser()
+    if root.is_dir() and stat.S_IMODE(root.stat().st_mode) & 0o077:
+        # Not ours to change (it may be a shared parent someone chose), but whoever can
+        # write into it can replace the code this process will load.
+        logger.warning(
+            "compile cache root %s has mode %o: other users can read or replace the "
+            "compiled code in it; make it 0700",
+            root,
+            stat.S_IMODE(root.stat().st_mode),
+        )
+    else:
+        make_private_dir(root)
+    return root
+
+
 class CompileCache:
     """One cache entry `<root>/<key>/` and the artifacts in it."""
 
     def __init__(self, root: Path, factors: CacheFactors) -> None:
-        root = Path(root).expanduser()
-        if root.is_dir() and stat.S_IMODE(root.stat().st_mode) & 0o077:
-            # Not ours to change (it may be a shared parent someone chose), but whoever can
-            # write into it can replace the code this process will load.
-            logger.warning(
-                "compile cache root %s has mode %o: other users can read or replace the "
-                "compiled code in it; make it 0700",
-                root,
-                stat.S_IMODE(root.stat().st_mode),
-            )
-        else:
-            make_private_dir(root)
-        self.root = root
+        self.root = root = open_cache_root(root)
         self.tool_dirs = point_tool_caches(root)
         self.headers_dir = Path(self.tool_dirs["TORCHINDUCTOR_CACHE_DIR"]) / "precompiled_headers"
         self.key = factors.key()

@@ -19,11 +19,32 @@ from typing import Any
 import torch
 from torch._prims_common import check_significant_strides, compare_tensor_meta
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 LIBRARY = "srt"
 _custom_ops: dict[str, torch.library.CustomOpDef] = {}
 _split_ops: set[str] = set()
+
+
+class RegisteredOp:
+    """A custom op as the model calls it: inside a Dynamo trace or under a Python dispatch
+    mode (fake tensors, a tracer, a recorder), the op, which they see as one opaque op (a split
+    point where registered as one); otherwise the function itself, which is what the op would
+    run. Why not the op everywhere: a custom op's dispatch imports Dynamo on its first call
+    (torch wraps the implementation in `torch._disable_dynamo`), seconds of startup for a
+    process that compiles nothing."""
+
+    def __init__(self, op: torch.library.CustomOpDef, fn: Callable[..., Any]) -> None:
+        self.op = op
+        self.fn = fn
+        self._qualname = op._qualname
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+            return self.op(*args, **kwargs)
+        return self.fn(*args, **kwargs)
 
 
 def register_custom_op(
@@ -32,21 +53,21 @@ def register_custom_op(
     mutates_args: Iterable[str],
     fake_impl: Callable[..., Any],
     namespace: str = LIBRARY,
-) -> Callable[[Callable[..., Any]], torch.library.CustomOpDef]:
+) -> Callable[[Callable[..., Any]], RegisteredOp]:
     """Define `<namespace>::<name>` (default `srt::<name>`) from the decorated function, with
     `fake_impl` as its fake."""
 
-    def decorator(fn: Callable[..., Any]) -> torch.library.CustomOpDef:
+    def decorator(fn: Callable[..., Any]) -> RegisteredOp:
         qualname = f"{namespace}::{name}"
         op = torch.library.custom_op(qualname, mutates_args=tuple(mutates_args))(fn)
         op.register_fake(fake_impl)
         _custom_ops[qualname] = op
-        return op
+        return RegisteredOp(op, fn)
 
     return decorator
 
 
-def register_split_op(op: torch.library.CustomOpDef) -> torch.library.CustomOpDef:
+def register_split_op(op: RegisteredOp) -> RegisteredOp:
     """Mark `op` as a split point of the piecewise graph."""
     _split_ops.add(op._qualname)
     return op
@@ -74,11 +95,15 @@ def is_split_op(target: object) -> bool:
 
 
 def check_fake_outputs(
-    op: torch.library.CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    op: torch.library.CustomOpDef | RegisteredOp,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
 ) -> None:
     """Raise if the fake implementation's outputs differ from the real ones in shape, dtype,
     device or (significant) strides. Compiled code is laid out by the fake's strides, so a
     wrong stride there means a kernel reading the real output wrongly."""
+    if isinstance(op, RegisteredOp):
+        op = op.op  # the op's dispatch, which picks the fake under FakeTensorMode
     kwargs = kwargs or {}
     real_args = tree_map_only(torch.Tensor, torch.clone, (args, kwargs))  # the op may mutate
     real = tree_leaves(op(*real_args[0], **real_args[1]))
@@ -107,11 +132,15 @@ def check_fake_outputs(
 
 
 def opcheck(
-    op: torch.library.CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    op: torch.library.CustomOpDef | RegisteredOp,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
 ) -> None:
     """`torch.library.opcheck(op, args, kwargs)` after `check_fake_outputs`: the same check on
     every torch we support (torch 2.11's opcheck compares output strides for CUDA tensors
     only, so a CPU fake with the wrong layout passed it)."""
+    if isinstance(op, RegisteredOp):
+        op = op.op
     check_fake_outputs(op, args, kwargs)
     torch.library.opcheck(op, args, kwargs)
 

@@ -13,7 +13,13 @@ from typing import Any
 import torch
 
 from srt.batch_layout import ForwardMode
-from srt.compilation.cache import CompileCache, collect_factors, default_cache_root
+from srt.compilation.cache import (
+    CompileCache,
+    collect_factors,
+    default_cache_root,
+    open_cache_root,
+    point_tool_caches,
+)
 from srt.compilation.compile_info import compile_info
 from srt.compilation.custom_ops import split_ops
 from srt.custom_op_selection import OpImpl, asks_for_kernels, kernels_missing, resolve_custom_ops
@@ -46,6 +52,14 @@ from srt.tp_rank import TPRank
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_SLOTS = 65536
+
+
+def init_cuda(device: torch.device, dtype: torch.dtype) -> None:
+    """Make the CUDA context and cuBLAS's handles now, where the startup breakdown times them
+    (else the weight load or the warm-up's first matmul pays for them, unseen)."""
+    torch.cuda.set_device(device.index or 0)
+    a = torch.ones(16, 16, dtype=dtype, device=device)
+    (a @ a).sum().item()
 
 
 class PendingResult:
@@ -88,10 +102,15 @@ class ModelRunner:
         self.config = config
         self.tp = tp or TPRank()
         self.device = torch.device(args.resolved_device())
+        # Triton's and Inductor's caches under the compile cache root before any kernel
+        # compiles, with graphs or without: a restart finds the kernels its warm-up JIT-ed.
+        point_tool_caches(open_cache_root(Path(args.compile_cache_dir or default_cache_root())))
+        start = time.perf_counter()
         if self.device.type == "cuda":
             if self.tp.size > 1:  # one GPU per rank (the flag check refuses cuda:N here)
                 self.device = torch.device("cuda", self.tp.rank)
-            torch.cuda.set_device(self.device.index or 0)
+            init_cuda(self.device, config.dtype)
+        self.device_init_s = time.perf_counter() - start
         init_tp(self.tp, self.device)  # before the model: its layers take their shards
         # The heads this rank holds: its attention backend and KV cache see only those.
         self.rank_config = dataclasses.replace(
@@ -112,7 +131,9 @@ class ModelRunner:
         self.model = load_model(config, self.device, args.load_format, args.seed)
         self.load_s = time.perf_counter() - start
         logger.info("loaded %s (%s) in %.2f s", config.architecture, config.dtype, self.load_s)
+        start = time.perf_counter()
         self.custom_ops = self._select_custom_ops()  # before any trace: it shapes the graph
+        self.custom_ops_s = time.perf_counter() - start  # with the kernels' import of triton
 
         start = time.perf_counter()
         self.num_slots = self._kv_slots()
@@ -288,6 +309,8 @@ class ModelRunner:
             },
             self.device,
             Path(inspect.getfile(type(self.model))),
+            inductor=args.enable_torch_compile
+            or any(c.tc_compiler == "inductor" for c in self.graph_configs.values()),
         )
         return CompileCache(Path(args.compile_cache_dir or default_cache_root()), factors)
 
@@ -363,7 +386,9 @@ class ModelRunner:
             "context_length": self.context_length,
             "tp_size": self.tp.size,
             "tp_ranks": self.ranks,
+            "device_init_s": round(self.device_init_s, 3),
             "load_s": round(self.load_s, 3),
+            "custom_ops_s": round(self.custom_ops_s, 3),
             "kv_alloc_s": round(self.kv_alloc_s, 3),
             "warmup_s": round(self.warmup_s, 3),
             "capture_s": round(self.capture_s, 3),
