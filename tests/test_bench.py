@@ -165,6 +165,7 @@ def test_serving_against_a_running_server(server: ServerProcess, tmp_path: Path,
         # several steps in one event.
         assert 0 < run["itl_ms"]["n"] <= num * 5
         assert run["ttft_ms"]["p50"] < run["e2e_ms"]["p50"]
+        assert run["kv_slots_held_after"] == 0  # every finished request gave its slots back
         timeline = run["timeline"]  # where the server's step time went, per process
         assert timeline["scheduler"]["steps"] > 0 and "period_ms" in timeline["runner"]
         assert "received_to_routed_ms" in timeline["tokenizer"]

@@ -228,11 +228,21 @@ def vocab_size_of(base_url: str, headers: dict[str, str] | None = None) -> int:
     return int(server_info(base_url, headers)["model"]["vocab_size"])
 
 
-def step_timeline(base_url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """The server's per-step timeline (its last steps: those of the run just done), per
-    process: where a step's time goes."""
+def after_run(base_url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """What the server says once a run is done: the KV slots requests still hold (none, if
+    every finished request gave its slots back; the prefix cache's are apart) and its
+    per-step timeline, per process. The timeline keeps the last 1024 steps, so after a run
+    of fewer steps it mixes in the run before (`steps` says how many each process has taken
+    since it started)."""
     info = server_info(base_url, headers)
-    return {proc: info[proc].get("timeline") for proc in ("scheduler", "runner", "tokenizer")}
+    scheduler = info["scheduler"]
+    return {
+        "kv_slots_held_after": scheduler["kv_slots_used"] - scheduler["kv_slots_cached"],
+        "kv_slots_cached_after": scheduler["kv_slots_cached"],
+        "timeline": {
+            proc: info[proc].get("timeline") for proc in ("scheduler", "runner", "tokenizer")
+        },
+    }
 
 
 TABLE = [
@@ -248,6 +258,7 @@ TABLE = [
     ("ITL p50", "itl_p50"),
     ("ITL p99", "itl_p99"),
     ("E2E p50", "e2e_p50"),
+    ("KV held after", "kv_slots_held_after"),
 ]
 
 
@@ -299,7 +310,7 @@ def bench(
                 "output_len": ns.output_len,
                 "range_ratio": ns.range_ratio,
                 **metrics(records),
-                "timeline": step_timeline(base_url, headers),
+                **after_run(base_url, headers),
             }
         )
     return runs
