@@ -6,18 +6,19 @@
 #   environment.txt                 GPU, driver, Python, torch, CUDA, triton
 #   runner-SHAPE.jsonl              srt.bench.one_batch (every decode path) + srt.bench.hf_baseline
 #   cold_start-SHAPE.json / .png    srt.bench.cold_start on a random checkpoint written to disk
-#   serving-SHAPE-{full,no-overlap,nographs}.json  srt.bench.serving per decode variant
+#   serving-SHAPE-VARIANT.json      srt.bench.serving per variant (full, no-overlap, nographs, ...)
 # and the tables (scripts/bench_tables.py) are printed last.
 #
 # Usage: scripts/gpu_round.sh STAGE...   with STAGE one of
 #   tests                pytest -m gpu
 #   runner-SHAPE         one_batch for disabled, full, full --enable-torch-compile, full over
-#                        Inductor pieces, breakable,
-#                        tc_piecewise eager and inductor; hf_baseline (floor, cuBLAS chain, HF)
+#                        Inductor pieces, breakable, tc_piecewise eager and inductor, full
+#                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF)
 #                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists)
 #   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list)
 #   serving-SHAPE        serving at concurrency 1, 32, 64, 128: decode full (lazy) with and
-#                        without overlap scheduling, and nographs (SERVING_VARIANTS overrides)
+#                        without overlap scheduling, nographs, prefill captured too
+#                        (prefill-full), and that with mixed steps (SERVING_VARIANTS overrides)
 # SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first.
 # Exit status: non-zero if any step failed (the others still run).
 set -uo pipefail
@@ -58,7 +59,7 @@ runner() {  # the decode paths of srt and the alternatives on one shape
   local sizes="1 8 32 128"
   [ "$shape" = llama-3.2-1b ] && sizes="1 8 16 32 64 128"  # beside serving's concurrencies
   sizes=${RUNNER_SIZES:-$sizes}
-  local configs=${RUNNER_CONFIGS:-disabled full full-compile full-inductor breakable tc-eager tc-inductor}
+  local configs=${RUNNER_CONFIGS:-disabled full full-compile full-inductor breakable tc-eager tc-inductor prefill-full}
   local methods=${HF_METHODS:-hf-eager hf-generate-static cublas-chain hf-compile-reduce-overhead}
   rm -f "$file"
   one() {
@@ -77,6 +78,7 @@ runner() {  # the decode paths of srt and the alternatives on one shape
     [breakable]="--cuda-graph-backend-decode breakable"
     [tc-eager]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler eager"
     [tc-inductor]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor"
+    [prefill-full]="--cuda-graph-backend-decode full --cuda-graph-backend-prefill full"
   )
   local config method
   for config in $configs; do
@@ -117,10 +119,13 @@ cold_start() {
 serving() {  # decode full with overlap (the default), without it, and with no graphs
   local shape=$1 variant
   checkpoint "$shape"
-  for variant in ${SERVING_VARIANTS:-full no-overlap nographs}; do
+  for variant in ${SERVING_VARIANTS:-full no-overlap nographs prefill-full mixed}; do
     local flags=(--cuda-graph-backend-decode full)
     [ $variant = no-overlap ] && flags+=(--disable-overlap-schedule)
     [ $variant = nographs ] && flags=(--disable-cuda-graph)
+    # Prefill captured per token bucket too; and decodes riding along in prefill steps.
+    [ $variant = prefill-full ] && flags+=(--cuda-graph-backend-prefill full)
+    [ $variant = mixed ] && flags+=(--cuda-graph-backend-prefill full --enable-mixed-chunk)
     # Concurrency 64 gets 1,000 requests: every one must finish with its token count.
     step "serving-$shape-$variant" python3 -m srt.bench.serving --num-prompts 16 128 1000 256 \
       --max-concurrency 1 32 64 128 --input-len 128 --output-len 64 \

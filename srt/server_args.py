@@ -73,6 +73,9 @@ class ServerArgs:
     disable_overlap_schedule: bool = _opt(
         False, "Plan each step only once the previous step's ids are back (no overlap)."
     )
+    enable_mixed_chunk: bool = _opt(
+        False, "Decode the running requests inside prefill steps (one step for both)."
+    )
     attention_backend: str | None = _opt(
         None, "torch_native, triton or flashinfer (default: triton on CUDA, torch_native on CPU)."
     )

@@ -5,6 +5,7 @@ requests that start, stop and are aborted at different steps; every KV slot free
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,9 @@ def launch_sync(runner: Any, plans: list[BatchPlan]) -> Callable[[BatchPlan], Ba
     return forward
 
 
-def test_overlap_gives_the_ids_of_one_step_at_a_time(engine: Engine) -> None:
+def traffic(engine: Engine) -> tuple[dict[str, Job], int]:
+    """Streaming requests that start, stop (length, stop token, EOS) and are aborted at
+    different steps, greedy and seeded, one with logprobs; and the EOS token they assume."""
     vocab = engine.model_config.vocab_size
     prompts = [
         [(7 * i + 3 * j) % (vocab - 1) + 1 for j in range(n)]
@@ -157,20 +160,37 @@ def test_overlap_gives_the_ids_of_one_step_at_a_time(engine: Engine) -> None:
         ),
         "one": Job(prompts[4], {**greedy, "max_new_tokens": 1}, start_after=4),
     }
-    saved_eos = engine.scheduler.eos_token_ids
+    return jobs, eos_token
+
+
+@contextmanager
+def eos_and_mixing(engine: Engine, eos_token: int, mixed: bool = False) -> Iterator[None]:
+    saved = engine.scheduler.eos_token_ids, engine.scheduler.args.enable_mixed_chunk
     engine.scheduler.eos_token_ids = {eos_token}
+    engine.scheduler.args.enable_mixed_chunk = mixed
     try:
+        yield
+    finally:
+        engine.scheduler.eos_token_ids, engine.scheduler.args.enable_mixed_chunk = saved
+
+
+def assert_same_streams(got: dict[str, Stream], want: dict[str, Stream]) -> None:
+    for rid in want:
+        assert got[rid].ids == want[rid].ids, rid
+        assert got[rid].reason == want[rid].reason, rid
+        assert got[rid].logprobs == pytest.approx(want[rid].logprobs, abs=1e-5), rid
+        assert [[t for t, _ in row] for row in got[rid].top] == [
+            [t for t, _ in row] for row in want[rid].top
+        ], rid
+
+
+def test_overlap_gives_the_ids_of_one_step_at_a_time(engine: Engine) -> None:
+    jobs, eos_token = traffic(engine)
+    with eos_and_mixing(engine, eos_token):
         sync = drive(engine, jobs, overlap=False)
         overlapped = drive(engine, jobs, overlap=True)
-    finally:
-        engine.scheduler.eos_token_ids = saved_eos
-    for rid in jobs:
-        assert overlapped[rid].ids == sync[rid].ids, rid
-        assert overlapped[rid].reason == sync[rid].reason, rid
-        assert overlapped[rid].logprobs == pytest.approx(sync[rid].logprobs, abs=1e-5), rid
-        assert [[t for t, _ in row] for row in overlapped[rid].top] == [
-            [t for t, _ in row] for row in sync[rid].top
-        ], rid
+    assert_same_streams(overlapped, sync)
+    stop_token = jobs["stop"].params["stop_token_ids"][0]
     assert sync["stop"].reason == "stop" and sync["stop"].ids[-1] == stop_token
     assert sync["eos"].reason == "stop" and sync["eos"].ids[-1] == eos_token
     assert (sync["aborted"].reason, len(sync["aborted"].ids)) == ("abort", 4)
@@ -178,6 +198,20 @@ def test_overlap_gives_the_ids_of_one_step_at_a_time(engine: Engine) -> None:
     assert sync["greedy"].reason == "length" and len(sync["greedy"].ids) == 17
     assert len(sync["one"].ids) == 1 and len(sync["seeded_late"].ids) == 10
     assert len(sync["logprobs"].logprobs) == 6 and len(sync["logprobs"].top[0]) == 3
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_mixed_steps_give_the_ids_of_separate_steps(engine: Engine, overlap: bool) -> None:
+    """Decodes riding along in prefill steps (`--enable-mixed-chunk`), their input ids from
+    the host or, overlapped, from the device: the same streams as prefill and decode apart."""
+    jobs, eos_token = traffic(engine)
+    with eos_and_mixing(engine, eos_token):
+        separate = drive(engine, jobs, overlap=False)
+    before = engine.scheduler.stats["mixed_decode_tokens"]
+    with eos_and_mixing(engine, eos_token, mixed=True):
+        mixed = drive(engine, jobs, overlap=overlap)
+    assert engine.scheduler.stats["mixed_decode_tokens"] > before, "no decode rode along"
+    assert_same_streams(mixed, separate)
 
 
 @pytest.mark.gpu

@@ -303,7 +303,8 @@ def bench(
             }
             if profile_dir is not None and output_len > 1:
                 profile_dir.mkdir(parents=True, exist_ok=True)
-                trace = profile_dir / f"{label(row)}-bs{b}.json"
+                name = label(row).replace(", ", "_").replace(" ", "-")  # a file name
+                trace = profile_dir / f"{name}-bs{b}.json"
                 row["profile"] = profile_decode(runner, reqs, trace)
             results.append(row)
         return results
@@ -311,12 +312,15 @@ def bench(
 
 def label(row: dict[str, Any]) -> str:
     """The decode path of a result row, e.g. `full+compile`, `full-inductor` (the captured
-    graph over Inductor pieces) or `tc_piecewise-inductor`."""
+    graph over Inductor pieces) or `tc_piecewise-inductor`, and the prefill backend where it
+    is not `disabled` (`full, prefill full`)."""
     name = row["decode_backend"]
     if row.get("enable_torch_compile") and name == "full":
-        return name + "+compile"
-    if name in ("full", "tc_piecewise") and row.get("tc_compiler"):
+        name += "+compile"
+    elif name in ("full", "tc_piecewise") and row.get("tc_compiler"):
         name += f"-{row['tc_compiler']}"
+    if row.get("prefill_backend") not in (None, "disabled"):
+        name += f", prefill {row['prefill_backend']}"
     return name
 
 

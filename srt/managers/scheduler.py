@@ -1,9 +1,11 @@
 """Continuous batching: admit requests, plan prefill and decode steps, apply stop conditions.
 
 Each step is either a prefill batch (new requests, chunked when long, on top of any cached
-prefix) or a decode batch (one token for every running request). Admission reserves KV for a
-request's whole future (prompt plus max_new_tokens), so decoding never runs out of slots; a
-request that does not fit waits in the queue.
+prefix) or a decode batch (one token for every running request); with `--enable-mixed-chunk`
+a prefill batch also carries one token of every running request (as a one-token extend on
+its cached prefix), so that admitting a request does not stall the others. Admission
+reserves KV for a request's whole future (prompt plus max_new_tokens), so decoding never runs
+out of slots; a request that does not fit waits in the queue.
 
 A plan commits its effects when it is built (KV lengths, slots, which requests decode next),
 so the next step can be planned before this one's sampled ids are back: with overlap, step N+1
@@ -145,6 +147,7 @@ class Scheduler:
             "prompt_tokens": 0,
             "generated_tokens": 0,
             "cached_tokens": 0,
+            "mixed_decode_tokens": 0,  # decodes that rode along in prefill steps
         }
 
     # ---- requests in and out -------------------------------------------------------------
@@ -201,11 +204,16 @@ class Scheduler:
         commit its effects, so that the step after it can be planned at once."""
         items = self._schedule_prefill()
         mode = ForwardMode.EXTEND
+        # Length limits are known in advance: a request whose last token is already planned
+        # is not decoded again.
+        decoding = [(r, 1) for r in self.running.values() if r.planned_outputs < r.max_new_tokens]
         if not items:
-            # Length limits are known in advance: a request whose last token is already
-            # planned is not decoded again.
-            items = [(r, 1) for r in self.running.values() if r.planned_outputs < r.max_new_tokens]
-            mode = ForwardMode.DECODE
+            items, mode = decoding, ForwardMode.DECODE
+        elif self.args.enable_mixed_chunk:
+            # The running requests ride along, one token each, so that admitting a request
+            # does not stall every other stream for a step.
+            items += decoding
+            self.stats["mixed_decode_tokens"] += len(decoding)
         if not items:
             return None
         self.step_count += 1
@@ -354,24 +362,27 @@ class Scheduler:
             )
             if any(r.pending_outputs for r, _ in items):
                 # The input is the token the step in flight samples; it stays on the device.
-                input_from_prev = np.full(n, -1, np.int32)
-                for i, (req, _) in enumerate(items):
-                    if req.pending_outputs:
-                        assert req.last_output_step == self.step_count - 1, "one step ahead"
-                        input_from_prev[i] = req.last_output_index
+                input_from_prev = np.fromiter((self._prev_index(r) for r, _ in items), np.int32, n)
             positions, locs = kv_lens, new
             table = [req_rows, kv_lens, new]
         else:
             parts: list[list[np.ndarray]] = [[], [], [], [], [], []]
+            sources: list[np.ndarray] = []  # per token, as input_from_prev
             for req, extend in items:
                 new = self._alloc(extend)
                 start, end = req.kv_len, req.kv_len + extend
                 req.add_slots(new)
+                if req.prompt_done:  # a decode riding along (mixed step): its last output
+                    ids = np.array([0 if req.pending_outputs else req.output_ids[-1]], np.int32)
+                    sources.append(np.array([self._prev_index(req)], np.int32))
+                else:
+                    ids = np.asarray(req.input_ids[start:end], np.int32)
+                    sources.append(np.full(extend, -1, np.int32))
                 # The runner's table row learns every slot it lacks (a prefix hit's too).
                 for part, array in zip(
                     parts,
                     (
-                        np.asarray(req.input_ids[start:end], np.int32),
+                        ids,
                         np.arange(start, end, dtype=np.int32),
                         new,
                         np.full(end - req.table_len, req.row, np.int32),
@@ -383,6 +394,8 @@ class Scheduler:
                     part.append(array)
                 req.table_len = end
             ids, positions, locs, *table = (np.concatenate(p) for p in parts)
+            if any(r.prompt_done and r.pending_outputs for r, _ in items):
+                input_from_prev = np.concatenate(sources)
         params = [r.params for r, _ in items]
         return BatchPlan(
             forward_mode=int(mode),
@@ -407,6 +420,15 @@ class Scheduler:
             step=self.step_count,
             input_from_prev=input_from_prev,
         )
+
+    def _prev_index(self, req: Req) -> int:
+        """Where a decoding request's input id is: its row in the result of the step in
+        flight, when that step samples it (overlap: the id stays on the device), else -1 (the
+        id is its last output, which the plan carries)."""
+        if not req.pending_outputs:
+            return -1
+        assert req.last_output_step == self.step_count - 1, "one step ahead"
+        return req.last_output_index
 
     def _record_logprobs(self, req: Req, result: BatchResult, i: int) -> None:
         assert result.logprobs is not None, "only for a result that carries logprobs"
