@@ -781,6 +781,15 @@ def test_server_info_and_metrics(server: ServerProcess) -> None:
         info["runner"]["timeline"]
     )
     assert info["tokenizer"]["timeline"]["received_to_routed_ms"] >= 0
+    # A window from a moment on: no step has begun since this answer's clock.
+    later = httpx.get(
+        f"{server.url}/get_server_info",
+        headers=server.headers,
+        params={"timeline_since": info["clock_s"] + 3600},
+    ).json()
+    for proc in ("scheduler", "runner", "tokenizer"):
+        assert later[proc]["timeline"]["window_steps"] == 0, proc
+        assert info[proc]["timeline"]["window_steps"] > 0, proc
 
     text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
     samples = {}

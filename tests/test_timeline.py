@@ -9,7 +9,7 @@ from srt.managers.timeline import StepTimeline
 
 def test_gaps_period_and_ring() -> None:
     timeline = StepTimeline(("start", "sent", "done"), size=4)
-    assert timeline.summary() == {"steps": 0}
+    assert timeline.summary() == {"steps": 0, "window_steps": 0}
     for _ in range(6):
         timeline.begin()
         time.sleep(0.002)
@@ -18,7 +18,8 @@ def test_gaps_period_and_ring() -> None:
     timeline.begin()
     timeline.discard()  # a turn that did nothing is not counted
     summary = timeline.summary()
-    assert summary["steps"] == 6
+    # The ring keeps 4 rows; the discarded turn took the oldest one's.
+    assert summary["steps"] == 6 and summary["window_steps"] == 3
     assert summary["start_to_sent_ms"] >= 2.0  # the sleep is inside this gap
     assert summary["sent_to_done_ms"] >= 0
     assert summary["period_ms"] >= 2.0  # each period holds a sleep
@@ -34,6 +35,7 @@ def test_marks_by_step_number_and_missing_gaps() -> None:
     summary = timeline.summary()
     assert set(summary) == {
         "steps",
+        "window_steps",
         "received_to_launched_ms",
         "launched_to_result_sent_ms",
         "period_ms",
@@ -41,4 +43,24 @@ def test_marks_by_step_number_and_missing_gaps() -> None:
     timeline.mark("result_sent", -20)  # fell out of the ring: ignored
     only_start = StepTimeline(("a", "b"))
     only_start.begin()
-    assert only_start.summary() == {"steps": 1}
+    assert only_start.summary() == {"steps": 1, "window_steps": 1}
+
+
+def test_a_window_from_a_moment_on() -> None:
+    # The steps of one benchmark run: those begun from a clock value on (the same
+    # perf_counter clock in every process of the host).
+    timeline = StepTimeline(("start", "done"), size=16)
+    for _ in range(3):
+        timeline.begin()
+        time.sleep(0.004)
+        timeline.mark("done")
+    since = time.perf_counter()
+    for _ in range(2):
+        timeline.begin()
+        timeline.mark("done")
+    window = timeline.summary(since)
+    assert window["steps"] == 5 and window["window_steps"] == 2
+    assert window["start_to_done_ms"] < 4.0  # none of the slow steps before `since`
+    assert timeline.summary()["start_to_done_ms"] >= 4.0  # the median of all five
+    nothing = timeline.summary(time.perf_counter())
+    assert nothing["window_steps"] == 0 and "period_ms" not in nothing

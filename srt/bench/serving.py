@@ -217,8 +217,11 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
     }
 
 
-def server_info(base_url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    resp = httpx.get(f"{base_url}/get_server_info", headers=headers, timeout=30)
+def server_info(
+    base_url: str, headers: dict[str, str] | None = None, timeline_since: float | None = None
+) -> dict[str, Any]:
+    params = {} if timeline_since is None else {"timeline_since": timeline_since}
+    resp = httpx.get(f"{base_url}/get_server_info", headers=headers, params=params, timeout=30)
     resp.raise_for_status()
     info: dict[str, Any] = resp.json()
     return info
@@ -228,13 +231,14 @@ def vocab_size_of(base_url: str, headers: dict[str, str] | None = None) -> int:
     return int(server_info(base_url, headers)["model"]["vocab_size"])
 
 
-def after_run(base_url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+def after_run(
+    base_url: str, started: float, headers: dict[str, str] | None = None
+) -> dict[str, Any]:
     """What the server says once a run is done: the KV slots requests still hold (none, if
     every finished request gave its slots back; the prefix cache's are apart) and its
-    per-step timeline, per process. The timeline keeps the last 1024 steps, so after a run
-    of fewer steps it mixes in the run before (`steps` says how many each process has taken
-    since it started)."""
-    info = server_info(base_url, headers)
+    per-step timeline, per process, over the steps begun since `started` (the server's clock
+    when the run began; of a run longer than the 1024 steps a timeline keeps, the last)."""
+    info = server_info(base_url, headers, timeline_since=started)
     scheduler = info["scheduler"]
     return {
         "kv_slots_held_after": scheduler["kv_slots_used"] - scheduler["kv_slots_cached"],
@@ -289,6 +293,7 @@ def bench(
     runs = []
     for concurrency, num in zip(ns.max_concurrency, counts, strict=True):
         specs = random_requests(num, ns.input_len, ns.output_len, vocab, ns.range_ratio, ns.seed)
+        started = server_info(base_url, headers)["clock_s"]
         records = asyncio.run(
             run_load(
                 base_url,
@@ -310,7 +315,7 @@ def bench(
                 "output_len": ns.output_len,
                 "range_ratio": ns.range_ratio,
                 **metrics(records),
-                **after_run(base_url, headers),
+                **after_run(base_url, started, headers),
             }
         )
     return runs

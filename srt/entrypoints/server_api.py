@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from fastapi import APIRouter
@@ -25,8 +26,10 @@ def server_router(manager: TokenizerManager) -> APIRouter:
         return OrjsonResponse({"status": manager.failure or "starting"}, status_code=503)
 
     @router.get("/get_server_info")
-    async def server_info() -> dict[str, Any]:
-        info = await manager.get_info()
+    async def server_info(timeline_since: float | None = None) -> dict[str, Any]:
+        """`timeline_since`: summarise the step timelines over the steps begun since this
+        value of `clock_s` (an earlier answer's), e.g. those of one benchmark run."""
+        info = await manager.get_info(timeline_since)
         args = dataclasses.asdict(manager.args)
         if args["api_key"]:
             args["api_key"] = "<redacted>"
@@ -46,7 +49,9 @@ def server_router(manager: TokenizerManager) -> APIRouter:
             "graphs": info.runner["graphs"],
             "compile": info.runner["compile"],
             "scheduler": info.scheduler,
-            "tokenizer": {"timeline": manager.timeline.summary()},
+            "tokenizer": {"timeline": manager.timeline.summary(timeline_since)},
+            # The timelines' clock (`time.perf_counter()`, one clock for all the processes).
+            "clock_s": time.perf_counter(),
         }
 
     @router.get("/metrics")

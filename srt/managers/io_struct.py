@@ -207,6 +207,9 @@ class InfoReq:
     """tokenizer -> scheduler -> runner: ask for live state (server info, metrics)."""
 
     req_id: int
+    # Summarise each process's step timeline over the steps begun since this
+    # `time.perf_counter()` value (None: every step it keeps).
+    timeline_since: float | None = None
 
 
 @dataclass

@@ -142,7 +142,8 @@ class SchedulerLoop:
             # The runner's reply comes after the result of the step in flight: take it first.
             self._send_outputs(self.scheduler.drain())
             send(self.to_runner, msg)
-            info = {**self.scheduler.info(), "timeline": self.timeline.summary()}
+            timeline = self.timeline.summary(msg.timeline_since)
+            info = {**self.scheduler.info(), "timeline": timeline}
             return InfoOutput(msg.req_id, info, recv(self.results))
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 

@@ -40,22 +40,27 @@ class StepTimeline:
         if self.steps - step < len(self.times):
             self.times[step % len(self.times), self.index[name]] = time.perf_counter()
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, since: float | None = None) -> dict[str, Any]:
         """Median milliseconds from each mark to the next over the steps kept, and from one
-        step's start to the next's (`period_ms`); a gap no step had is left out."""
+        step's start to the next's (`period_ms`); a gap no step had is left out. `since` (a
+        `time.perf_counter()` value, which on Linux is the same clock in every process)
+        keeps only the steps begun from then on; `window_steps` says how many were summed."""
         kept = min(self.steps, len(self.times))
         if kept == 0:
-            return {"steps": 0}
+            return {"steps": 0, "window_steps": 0}
         # Oldest first, so that the period is taken between consecutive steps.
         order = (np.arange(self.steps - kept + 1, self.steps + 1)) % len(self.times)
-        t = self.times[order] * 1000.0
-        out: dict[str, Any] = {"steps": self.steps}
+        t = self.times[order]
+        if since is not None:
+            t = t[~(t[:, 0] < since)]  # a step begun before `since` is out (NaN rows stay)
+        t = t * 1000.0
+        out: dict[str, Any] = {"steps": self.steps, "window_steps": int(np.sum(~np.isnan(t[:, 0])))}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
             for i in range(1, len(self.marks)):
                 gap = np.nanmedian(t[:, i] - t[:, i - 1])
                 if not np.isnan(gap):
                     out[f"{self.marks[i - 1]}_to_{self.marks[i]}_ms"] = round(float(gap), 4)
-            if kept > 1:
+            if len(t) > 1:
                 out["period_ms"] = round(float(np.nanmedian(np.diff(t[:, 0]))), 4)
         return out

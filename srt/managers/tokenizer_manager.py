@@ -150,13 +150,14 @@ class TokenizerManager:
         if not self.ready:
             raise ServerNotReady(self.failure or "the server is starting")
 
-    async def get_info(self) -> InfoOutput:
-        """Live scheduler and runner state (asks through the scheduler, between steps)."""
+    async def get_info(self, timeline_since: float | None = None) -> InfoOutput:
+        """Live scheduler and runner state (asks through the scheduler, between steps); their
+        step timelines over the steps begun since `timeline_since`, if given."""
         self.check_ready()
         req_id = next(self.info_ids)
         waiter = asyncio.get_running_loop().create_future()
         self.info_waiters[req_id] = waiter
-        send(self.to_scheduler, InfoReq(req_id))
+        send(self.to_scheduler, InfoReq(req_id, timeline_since))
         try:
             return await waiter
         finally:

@@ -74,7 +74,8 @@ class RunnerLoop:
                 if pending is not None:
                     self._send_result(pending)
                     pending = None
-                send(self.results, {**self.runner.info(), "timeline": self.timeline.summary()})
+                timeline = self.timeline.summary(msg.timeline_since)
+                send(self.results, {**self.runner.info(), "timeline": timeline})
             else:
                 raise TypeError(f"model runner got an unexpected message {type(msg).__name__}")
 
