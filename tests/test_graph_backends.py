@@ -329,6 +329,34 @@ def test_padded_graphs_give_the_eager_ids(
         assert states(eng, "decode") == {4: ("captured", 4), 2: ("captured", 4), 1: ("captured", 6)}
 
 
+def test_a_full_graph_takes_the_greedy_argmax_along(
+    tiny_llama: Path,
+    tmp_path: Path,
+    capturer: EmulatedCapturer,
+    reference: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A greedy decode step replayed from a `full` graph samples no argmax of its own: the
+    graph computed it beside the logits, and those are the ids."""
+    from srt.model_executor import model_runner
+
+    given: list[bool] = []
+
+    def sample(logits: torch.Tensor, batch: Any, greedy: torch.Tensor | None = None) -> Any:
+        given.append(greedy is not None)
+        if greedy is not None:
+            assert torch.equal(greedy, logits.argmax(dim=-1))
+        return real_sample(logits, batch, greedy)
+
+    real_sample = model_runner.sample
+    monkeypatch.setattr(model_runner, "sample", sample)
+    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full") as eng:
+        assert generate(eng) == reference
+        replays = phase_info(eng, "decode")["replays"]
+    # Only replays come with the graph's argmax: prefill and warm-ups (eager) do not.
+    assert sum(given) == replays > 0 and not all(given)
+
+
 def test_breakable_splits_at_every_attention(
     tiny_llama: Path,
     tmp_path: Path,

@@ -57,11 +57,15 @@ def filter_probs(
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch | None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch | None, greedy: torch.Tensor | None = None
+) -> torch.Tensor:
     """logits: [B, V] float32 -> token ids [B] int64. `batch` None: every request is greedy,
     which the caller knows from the host (then no sampling parameters need be on the
-    device)."""
-    greedy = logits.argmax(dim=-1)
+    device). `greedy`: `logits.argmax(-1)`, where the caller has it already (a captured
+    graph computes it)."""
+    if greedy is None:
+        greedy = logits.argmax(dim=-1)
     if batch is None:
         return greedy
     temps = torch.where(batch.temperatures > 0, batch.temperatures, 1.0)

@@ -4,7 +4,9 @@ Inputs live in static buffers sized for the largest bucket (`StaticBatch`); a ba
 to its bucket, padded tokens writing KV to the dummy slot. Attention runs inside the graph, so
 the attention backend keeps its metadata in static buffers (`init_graph_state`) and refills
 them before every replay (`init_forward_metadata_replay`); the logits are copied, inside the
-graph, into one static output buffer shared by all buckets, so no graph pins pool memory.
+graph, into one static output buffer shared by all buckets, so no graph pins pool memory, and
+their argmax is taken there too: an all-greedy step is one replay and one small copy of ids
+to the host (`take_greedy`).
 
 Prefill: buckets are token counts and the number of requests varies up to the bucket's
 capacity (min(tokens, --max-running-requests)). Only an attention backend that lays a varying
@@ -126,13 +128,19 @@ class FullGraphRunner(BucketRunner):
     def record(self, padded: ForwardBatch, bucket: int, session: CaptureSession) -> Graph:
         session.begin()
         logits = self._forward(padded, bucket)
-        self.static_logits(logits.shape[0]).copy_(logits)
+        static = self.static_logits(logits.shape[0])
+        static.copy_(logits)
+        # The greedy ids too (the sampler's own argmax), so that an all-greedy step is one
+        # replay and one small copy to the host.
+        assert self.greedy is not None, "keep_logits allocates it with the logits"
+        torch.argmax(static, dim=-1, out=self.greedy[: logits.shape[0]])
         return session.end()
 
     def replay(self, graph: Graph, padded: ForwardBatch, bucket: int) -> torch.Tensor:
         self.env.attn_backend.init_forward_metadata_replay(padded, bucket)
         with forward_context(padded):
             graph.replay()
+        self.greedy_rows = padded.batch_size
         return self.static_logits(padded.batch_size)
 
     def info(self) -> dict[str, Any]:

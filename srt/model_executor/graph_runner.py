@@ -120,6 +120,11 @@ class PhaseRunner(Protocol):
 
     def run(self, batch: ForwardBatch) -> torch.Tensor: ...
 
+    def take_greedy(self) -> torch.Tensor | None:
+        """The argmax of the logits the last `run` returned, where its graph computed it
+        (then the step needs no argmax launch of its own); None otherwise. Once only."""
+        ...
+
     def run_general(self, batch: ForwardBatch) -> torch.Tensor: ...
 
     def prewarm(self, buckets: list[int]) -> None: ...
@@ -142,6 +147,9 @@ class EagerRunner:
             return forward_logits(self.model, batch)
 
     run_general = run  # the eager forward is the general path
+
+    def take_greedy(self) -> torch.Tensor | None:
+        return None  # nothing computed it
 
     def prewarm(self, buckets: list[int]) -> None:
         """Nothing to specialise: the eager forward serves every shape."""
@@ -180,6 +188,10 @@ class BucketRunner(ABC):
         self.graphs: dict[int, Any] = {}
         self.uncaptured_runs = 0  # beyond the largest bucket, skipped buckets, or no capturer
         self.logits: torch.Tensor | None = None  # static output [max requests, vocab]
+        # Its argmax [max requests], where the graph computes it (full), and the rows of it
+        # that the last run's replay filled (None: the last run was no replay).
+        self.greedy: torch.Tensor | None = None
+        self.greedy_rows: int | None = None
         self.static = (
             StaticBatch(config.bs[-1], self.requests_for(config.bs[-1]), env.device)
             if env.pool.capturer is not None
@@ -203,6 +215,7 @@ class BucketRunner(ABC):
         return self.config.bucket_for(n)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
+        self.greedy_rows = None
         static = self.static
         bucket = self.bucket_of(batch) if static is not None else None
         if static is None or bucket is None:
@@ -253,10 +266,18 @@ class BucketRunner(ABC):
         record.pool_growth = captured.pool_growth
 
     def keep_logits(self, logits: torch.Tensor) -> None:
-        """Allocate the static logits buffer on the first warm-up (outside any capture)."""
+        """Allocate the static logits buffer (and its argmax's) on the first warm-up,
+        outside any capture."""
         if self.logits is None:
             rows = self.requests_for(self.config.bs[-1])
             self.logits = logits.new_empty((rows, logits.shape[-1]))
+            self.greedy = torch.empty(rows, dtype=torch.int64, device=logits.device)
+
+    def take_greedy(self) -> torch.Tensor | None:
+        rows, self.greedy_rows = self.greedy_rows, None
+        if rows is None or self.greedy is None:
+            return None
+        return self.greedy[:rows]
 
     def static_logits(self, rows: int) -> torch.Tensor:
         """The first `rows` of the static logits buffer (after the first warm-up)."""
@@ -299,7 +320,8 @@ class BucketRunner(ABC):
             "pool_bytes": self.env.pool.bytes,
             # the static inputs and output, outside the pool
             "static_bytes": (self.static.nbytes if self.static is not None else 0)
-            + (self.logits.numel() * self.logits.element_size() if self.logits is not None else 0),
+            + (self.logits.numel() * self.logits.element_size() if self.logits is not None else 0)
+            + (self.greedy.numel() * self.greedy.element_size() if self.greedy is not None else 0),
         }
 
 

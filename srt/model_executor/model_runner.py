@@ -334,11 +334,19 @@ class ModelRunner:
     def _launch(self, plan: BatchPlan) -> PendingResult:
         batch = self.make_forward_batch(plan)
         self.jit_misses.step = batch.mode, batch.batch_size, batch.num_tokens
-        return self.sample(plan, batch, self.forward_logits(batch))
+        logits = self.forward_logits(batch)
+        return self.sample(plan, batch, logits, self.phase_runners[batch.mode].take_greedy())
 
-    def sample(self, plan: BatchPlan, batch: ForwardBatch, logits: torch.Tensor) -> PendingResult:
+    def sample(
+        self,
+        plan: BatchPlan,
+        batch: ForwardBatch,
+        logits: torch.Tensor,
+        greedy: torch.Tensor | None = None,
+    ) -> PendingResult:
         """Each request's next token from `logits` [B, V], with the logprobs the plan asks for,
-        on its way to the host; the ids stay on the device for the next plan too."""
+        on its way to the host; the ids stay on the device for the next plan too. `greedy`:
+        the argmax of `logits`, where the captured graph computed it already."""
         sampling = None  # all greedy: no parameters to upload (two copies a step)
         if plan.temperatures.any():
             temperatures, top_ps, min_ps = to_device_packed(
@@ -348,7 +356,7 @@ class ModelRunner:
             sampling = SamplingBatch(
                 temperatures, top_ps, top_ks, min_ps, seeds, positions=batch.seq_lens.long()
             )
-        next_ids = sample(logits, sampling)
+        next_ids = sample(logits, sampling, greedy)
         self.last_sampled, self.last_step = next_ids, plan.step
         outputs = [next_ids]
         if plan.return_logprob:

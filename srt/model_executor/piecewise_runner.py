@@ -98,6 +98,9 @@ class PiecewiseRunner:
         batch.attn_backend.init_forward_metadata(batch)
         return compiled_logits(self.compiled, self.env, batch, dispatcher, bucket)
 
+    def take_greedy(self) -> torch.Tensor | None:
+        return None  # the pieces' graphs end before the logits' argmax
+
     def prewarm(self, buckets: list[int]) -> None:
         """Specialise `buckets` now with dummy batches: a warm-up hit, then the specialising
         one (not recorded in the manifest: no traffic asked for them)."""
