@@ -306,6 +306,31 @@ def test_kv_write_kernel_matches_indexed_assignment(device: str, dtype: torch.dt
         assert (got[0][None] == src[4:]).any(dim=0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_argmax_kernel_gives_torch_argmax(device: str, dtype: torch.dtype) -> None:
+    """The greedy ids of the sampler and of full graphs: torch's argmax exactly, the first
+    index of the maximum, with ties inside a chunk and across chunks (2048 wide)."""
+    from srt.layers.triton_ops.argmax import argmax_rows
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5000  # three chunks, the last one partial
+    logits = torch.randn(7, vocab, generator=gen).to(dtype)
+    logits[1, [10, 900, 4999]] = 9.0  # a tie inside the first chunk and with the last
+    logits[2, [2047, 2048]] = 9.0  # across a chunk boundary
+    logits[3] = float("-inf")  # nothing but -inf: index 0
+    logits[4, 3000] = float("inf")
+    logits[5, [7, 4000]] = float("nan")  # NaN is the maximum, the first one wins
+    logits[6] = 0.0  # all equal
+    logits = logits.to(device)
+    out = torch.full((7,), -1, dtype=torch.int64, device=device)
+    assert argmax_rows(logits, out) is out
+    assert out.tolist() == torch.argmax(logits.cpu(), dim=-1).tolist()
+    assert out.tolist()[1:7] == [10, 2047, 0, 3000, 7, 0]
+    small = torch.randn(3, 17, generator=gen).to(device, dtype)  # one partial chunk
+    assert argmax_rows(small).tolist() == torch.argmax(small.cpu(), dim=-1).tolist()
+
+
 ARCHS = [("llama", {"rope_scaling": "llama3"}), ("qwen3", {})]  # rope scaling; q/k norm
 
 

@@ -11,7 +11,20 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.custom_op_selection import HAS_TRITON
+
 _MASK32 = 0xFFFFFFFF
+
+
+def greedy_ids(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's argmax, [B, V] -> [B] int64 (into `out` if given): two Triton launches on
+    CUDA (torch's argmax is one latency-bound block per row), torch's argmax elsewhere; the
+    same ids either way."""
+    if logits.is_cuda and HAS_TRITON:
+        from srt.layers.triton_ops.argmax import argmax_rows
+
+        return argmax_rows(logits, out)
+    return torch.argmax(logits, dim=-1, out=out)
 
 
 @dataclass
@@ -65,7 +78,7 @@ def sample(
     device). `greedy`: `logits.argmax(-1)`, where the caller has it already (a captured
     graph computes it)."""
     if greedy is None:
-        greedy = logits.argmax(dim=-1)
+        greedy = greedy_ids(logits)
     if batch is None:
         return greedy
     temps = torch.where(batch.temperatures > 0, batch.temperatures, 1.0)

@@ -36,6 +36,7 @@ import torch
 
 from srt.compilation.custom_ops import inductor_trace
 from srt.compilation.dispatch import BucketDispatcher
+from srt.layers.sampler import greedy_ids
 from srt.model_executor.forward_batch import ForwardBatch, forward_context
 from srt.model_executor.graph_config import Backend, GraphConfigError, Phase, PhaseConfig
 from srt.model_executor.graph_memory import CaptureSession, Graph
@@ -133,7 +134,7 @@ class FullGraphRunner(BucketRunner):
         # The greedy ids too (the sampler's own argmax), so that an all-greedy step is one
         # replay and one small copy to the host.
         assert self.greedy is not None, "keep_logits allocates it with the logits"
-        torch.argmax(static, dim=-1, out=self.greedy[: logits.shape[0]])
+        greedy_ids(static, out=self.greedy[: logits.shape[0]])
         return session.end()
 
     def replay(self, graph: Graph, padded: ForwardBatch, bucket: int) -> torch.Tensor:
