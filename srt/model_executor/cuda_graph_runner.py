@@ -124,7 +124,9 @@ class FullGraphRunner(BucketRunner):
 
     def warmup(self, padded: ForwardBatch, bucket: int) -> None:
         self.env.attn_backend.init_forward_metadata_capture(padded)
-        self.keep_logits(self._forward(padded, bucket))
+        logits = self._forward(padded, bucket)
+        self.keep_logits(logits)
+        greedy_ids(logits)  # whatever JIT-compiles on first use does it outside the capture
 
     def record(self, padded: ForwardBatch, bucket: int, session: CaptureSession) -> Graph:
         session.begin()
