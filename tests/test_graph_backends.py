@@ -357,6 +357,37 @@ def test_a_full_graph_takes_the_greedy_argmax_along(
     assert sum(given) == replays > 0 and not all(given)
 
 
+def test_the_greedy_argmax_runs_in_the_warm_up_before_its_capture(
+    tiny_llama: Path,
+    tmp_path: Path,
+    capturer: EmulatedCapturer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """So that its kernel's first call (a JIT compile on CUDA) is never inside a capture,
+    even with --skip-warmup."""
+    from srt.model_executor import cuda_graph_runner
+
+    calls: list[tuple[int, int]] = []  # (warm-ups, captures) begun at each call
+
+    def greedy_ids(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append((capturer.warmups, capturer.sessions))
+        return real(logits, out)
+
+    real = cuda_graph_runner.greedy_ids
+    monkeypatch.setattr(cuda_graph_runner, "greedy_ids", greedy_ids)
+    with make_engine(
+        tiny_llama, tmp_path, cuda_graph_backend_decode="full", skip_warmup=True
+    ) as eng:
+        generate(eng)
+        captures = eng.get_server_info()["runner"]["graph_pool"]["captures"]
+    # The pool warms a bucket up (twice) before it captures it: each capture's call comes
+    # right after a call of its warm-up, made before that capture began.
+    assert captures > 0 and calls[0][1] == 0
+    for capture in range(1, captures + 1):
+        first_inside = next(i for i, (_, began) in enumerate(calls) if began == capture)
+        assert calls[first_inside - 1][1] == capture - 1, calls
+
+
 def test_breakable_splits_at_every_attention(
     tiny_llama: Path,
     tmp_path: Path,
