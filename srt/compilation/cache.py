@@ -327,13 +327,19 @@ def _tree(root: Path) -> Iterator[Path]:
         yield from (here / f for f in filenames)
 
 
+_warned_roots: set[Path] = set()
+
+
 def open_cache_root(root: Path) -> Path:
     """The compile cache root, made private (0700) if it is new; an existing one with a looser
-    mode is warned about, not changed."""
+    mode is warned about (once per process), not changed."""
     root = Path(root).expanduser()
     if root.is_dir() and stat.S_IMODE(root.stat().st_mode) & 0o077:
         # Not ours to change (it may be a shared parent someone chose), but whoever can
         # write into it can replace the code this process will load.
+        if root in _warned_roots:
+            return root
+        _warned_roots.add(root)
         logger.warning(
             "compile cache root %s has mode %o: other users can read or replace the "
             "compiled code in it; make it 0700",

@@ -104,7 +104,8 @@ class ModelRunner:
         self.device = torch.device(args.resolved_device())
         # Triton's and Inductor's caches under the compile cache root before any kernel
         # compiles, with graphs or without: a restart finds the kernels its warm-up JIT-ed.
-        point_tool_caches(open_cache_root(Path(args.compile_cache_dir or default_cache_root())))
+        self.cache_root = open_cache_root(Path(args.compile_cache_dir or default_cache_root()))
+        point_tool_caches(self.cache_root)
         start = time.perf_counter()
         if self.device.type == "cuda":
             if self.tp.size > 1:  # one GPU per rank (the flag check refuses cuda:N here)
@@ -312,7 +313,7 @@ class ModelRunner:
             inductor=args.enable_torch_compile
             or any(c.tc_compiler == "inductor" for c in self.graph_configs.values()),
         )
-        return CompileCache(Path(args.compile_cache_dir or default_cache_root()), factors)
+        return CompileCache(self.cache_root, factors)
 
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] of each request's last token, through the phase's runner (valid
