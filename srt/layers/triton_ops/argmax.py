@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048  # elements of a row per program of the first pass
-NO_INDEX = 2**31 - 1
+# A kernel may read a module global only if it is a constexpr (the compiler refuses others).
+NO_INDEX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit

@@ -1,0 +1,189 @@
+"""Every Triton kernel srt launches compiles for the H200 (sm_90), on a machine without a GPU.
+
+The CPU tests run the kernels under Triton's interpreter, which accepts code the compiler
+refuses (a module global that is not a `tl.constexpr`, for one). So, in a subprocess with the
+interpreter on, each kernel is launched through its srt wrapper on small inputs with the launch
+itself replaced by a recorder (nothing runs: only the argument types are wanted), and each
+distinct launch is compiled to a cubin with Triton's own compiler and ptxas (both ship in the
+triton wheel; no driver is needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+H200 = ("cuda", 90, 32)  # backend, compute capability, warp size
+
+_POINTER_TYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+
+def _scalar_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for argument {value!r}")
+
+
+def launch_signature(fn: Any, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """(signature, constexprs, options) of one launch of JIT function `fn`, as keys to compile."""
+    from triton.runtime.jit import JITFunction
+
+    params = JITFunction(fn).params
+    options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
+    bound = dict(zip([p.name for p in params], args, strict=False)) | kwargs
+    signature, constexprs = {}, {}
+    for p in params:
+        value = bound[p.name] if p.name in bound else p.default
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[p.name] = "*" + _POINTER_TYPES[value.dtype]
+        else:
+            signature[p.name] = _scalar_type(value)
+    return (
+        tuple(signature.items()),
+        tuple(sorted(constexprs.items())),
+        tuple(sorted(options.items())),
+    )
+
+
+def record_launches() -> dict[str, list[tuple]]:
+    """Launch srt's kernels through their wrappers, recording instead of running: per kernel
+    (by qualified name), its distinct launch signatures (fp16 data; the compile step adds the
+    bf16 twin)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches: dict[str, set[tuple]] = {}
+    original = InterpretedFunction.run
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> None:
+        launch = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+        name = f"{self.fn.__module__}.{self.fn.__name__}"
+        launches.setdefault(name, set()).add(launch_signature(self.fn, args, launch))
+
+    InterpretedFunction.run = run  # type: ignore[method-assign]
+    try:
+        exercise_kernels()
+    finally:
+        InterpretedFunction.run = original  # type: ignore[method-assign]
+    return {name: sorted(sigs, key=repr) for name, sigs in launches.items()}
+
+
+def exercise_kernels() -> None:
+    """Every kernel's launch, through the wrappers the model calls (results unused)."""
+    from srt.batch_layout import ForwardMode
+    from srt.layers.attention.triton_backend import TritonBackend
+    from srt.layers.attention.triton_ops.kv_write import write_kv
+    from srt.layers.triton_ops.argmax import argmax_rows
+    from tests.layer_op_cases import op_cases
+    from tests.test_attention_backends import World, make_batch
+
+    torch.manual_seed(0)
+    for kernel_op, _, args in op_cases(torch.float16, "cpu"):
+        kernel_op(*args)
+    argmax_rows(torch.randn(3, 5000))
+    cache = torch.zeros(10, 2, 24, dtype=torch.float16)
+    write_kv(cache, cache.clone(), torch.tensor([3, 5]), *torch.randn(2, 2, 2, 24).half())
+    heads, kv_heads, head_dim = 8, 2, 64
+    world = World.create(kv_heads, head_dim, torch.float16, "cpu")
+    backend = TritonBackend(heads, kv_heads, head_dim)
+    for mode, specs in [(ForwardMode.EXTEND, [(0, 3), (60, 9)]), (ForwardMode.DECODE, [(9, 1)])]:
+        batch, q, k, v = make_batch(world, mode, specs, heads)
+        backend.init_forward_metadata(batch)
+        out = torch.empty_like(q)
+        backend.forward(batch, q, k, v, out, world.k_cache, world.v_cache, head_dim**-0.5)
+
+
+def compile_for_h200(launches: dict[str, list[list]]) -> list[str]:
+    """Compile every recorded launch, and its bf16 twin, to a cubin (in a process without the
+    interpreter, where the kernels are the compiler's `JITFunction`s); the failures."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    failures = []
+    for name, sigs in launches.items():
+        module, _, attr = name.rpartition(".")
+        kernel = getattr(importlib.import_module(module), attr)
+        variants = {
+            (tuple(map(tuple, sig)), tuple(map(tuple, consts)), tuple(map(tuple, opts)), half)
+            for sig, consts, opts in sigs
+            for half in ("fp16", "bf16")
+        }
+        for sig, consts, opts, half in sorted(variants, key=repr):
+            signature = {k: v.replace("fp16", half) for k, v in sig}
+            source = ASTSource(kernel, signature, constexprs=dict(consts))
+            try:
+                compiled = triton.compile(source, target=GPUTarget(*H200), options=dict(opts))
+                assert compiled.asm.get("cubin"), "no cubin"
+            except Exception as e:  # noqa: BLE001 (each failure is reported with its launch)
+                failures.append(f"{name} {signature} {dict(consts)}: {type(e).__name__}: {e}")
+    return failures
+
+
+def main(step: str) -> None:
+    """`record`: print the launches as JSON (interpreter on); `compile`: compile the JSON on
+    stdin (interpreter off), exiting non-zero with the failures."""
+    if step == "record":
+        print(json.dumps(record_launches()))
+        return
+    failures = compile_for_h200(json.load(sys.stdin))
+    if failures:
+        sys.exit("\n".join(failures))
+
+
+def run_step(step: str, interpret: bool, stdin: str = "") -> str:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", f"from tests.test_triton_compile import main; main({step!r})"],
+        cwd=REPO,
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"{step}: {(proc.stdout + proc.stderr)[-6000:]}"
+    return proc.stdout
+
+
+def test_every_triton_kernel_compiles_for_the_h200() -> None:
+    pytest.importorskip("triton")
+    launches = run_step("record", interpret=True)
+    run_step("compile", interpret=False, stdin=launches)
+    # Every kernel srt defines was launched above (a new kernel needs a launch there).
+    defined = {
+        f"{'.'.join(p.relative_to(REPO).with_suffix('').parts)}.{m.group(1)}"
+        for p in (REPO / "srt").rglob("*.py")
+        for m in re.finditer(r"@triton\.jit\ndef (\w+_kernel)\(", p.read_text())
+    }
+    assert defined, "no kernels found"
+    never = defined - set(json.loads(launches))
+    assert not never, f"never launched: {sorted(never)}"
