@@ -148,3 +148,31 @@ def test_attention_outside_a_forward_context_is_an_error() -> None:
 def test_unknown_attention_backend() -> None:
     with pytest.raises(ValueError, match="unknown backend 'flash'; choose one of"):
         create_attention_backend("flash", HEADS, KV_HEADS, HEAD_DIM)
+
+
+def test_breakable_capture_sees_the_split_op_without_a_dispatch_mode() -> None:
+    """On CUDA a breakable capture runs under its torch function mode alone (no dispatch mode,
+    unlike the CPU emulation of capture): the attention op must still reach the mode as the
+    split op, to be recorded instead of run."""
+    from srt.model_executor.breakable_runner import SplitAtOps
+
+    class Session:
+        def __init__(self) -> None:
+            self.events: list[str] = []
+
+        def begin(self) -> None:
+            self.events.append("begin")
+
+        def end(self) -> str:
+            self.events.append("end")
+            return "segment"
+
+    case = make_case("cpu")
+    out = torch.full_like(case.q, 7.0)
+    session = Session()
+    splitter = SplitAtOps(set(split_ops()), session)  # type: ignore[arg-type]
+    with splitter:  # no forward context either: the op must not run
+        attention_op(case.q, case.k, case.v, out, case.k_cache, case.v_cache, SCALING)
+    assert [c.op.name() for c in splitter.calls] == ["srt::attention"]
+    assert session.events == ["end", "begin"]
+    assert torch.all(out == 7.0)

@@ -299,3 +299,16 @@ def test_full_needs_a_capturable_attention_backend(llama8: Path, tmp_path: Path)
             compile_cache_dir=str(tmp_path),
             cuda_graph_backend_decode="full",
         )
+
+
+def test_a_capture_cut_short_by_an_error_leaves_the_device_usable() -> None:
+    """The capture is ended on its own stream, so the process's later CUDA calls work."""
+    from srt.model_executor.graph_memory import CudaGraphCapturer
+
+    capturer = CudaGraphCapturer(torch.device("cuda"))
+    x = torch.ones(8, device="cuda")
+    with pytest.raises(ValueError, match="cut short"), capturer.session() as session:
+        session.begin()
+        x.mul_(2)
+        raise ValueError("cut short")
+    assert (x + 1).sum().item() == 16.0

@@ -31,9 +31,11 @@ class RegisteredOp:
     """A custom op as the model calls it: inside a Dynamo trace or under a Python dispatch
     mode (fake tensors, a tracer, a recorder), the op, which they see as one opaque op (a split
     point where registered as one); otherwise the function itself, which is what the op would
-    run. Why not the op everywhere: a custom op's dispatch imports Dynamo on its first call
-    (torch wraps the implementation in `torch._disable_dynamo`), seconds of startup for a
-    process that compiles nothing."""
+    run. Under a torch function mode too: a mode that intercepts ops by their overload (the
+    breakable capture ends a graph segment at each split op) must see the op. Why not the op
+    everywhere: a custom op's dispatch imports Dynamo on its first call (torch wraps the
+    implementation in `torch._disable_dynamo`), seconds of startup for a process that
+    compiles nothing."""
 
     def __init__(self, op: torch.library.CustomOpDef, fn: Callable[..., Any]) -> None:
         self.op = op
@@ -42,7 +44,11 @@ class RegisteredOp:
         self.__doc__ = fn.__doc__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        if (
+            torch.compiler.is_compiling()
+            or _get_current_dispatch_mode() is not None
+            or torch._C._len_torch_function_stack() > 0
+        ):
             return self.op(*args, **kwargs)
         return self.fn(*args, **kwargs)
 

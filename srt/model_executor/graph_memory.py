@@ -102,10 +102,13 @@ class CudaGraphCapturer:
         torch.cuda.synchronize(self.device)
         try:
             with torch.cuda.stream(self.stream):
-                yield session
-        except BaseException:
-            session.abort()
-            raise
+                try:
+                    yield session
+                except BaseException:
+                    # On the capture stream: a capture ends only on the stream it began on,
+                    # and one left open makes every later CUDA call of the process fail.
+                    session.abort()
+                    raise
         finally:
             torch.cuda.synchronize(self.device)
 
