@@ -169,6 +169,13 @@ def test_serving_against_a_running_server(server: ServerProcess, tmp_path: Path,
         timeline = run["timeline"]  # where the server's step time went, per process
         assert timeline["scheduler"]["steps"] > 0 and "period_ms" in timeline["runner"]
         assert "received_to_routed_ms" in timeline["tokenizer"]
+        # Every request was prefilled in some extend step and decoded in decode steps.
+        assert timeline["scheduler"]["extend_steps"] >= 1
+        assert timeline["scheduler"]["decode_requests_mean"] >= 1
+        # CPU shares: seconds on a CPU per second of the run (a process may use threads).
+        assert set(run["cpu_busy"]) == {"scheduler", "runner", "tokenizer"}
+        assert all(0 <= share < 16 for share in run["cpu_busy"].values()), run["cpu_busy"]
+        assert run["client_cpu_busy"] > 0
     assert capsys.readouterr().out.splitlines()[-4].split()[0] == "conc"
 
 

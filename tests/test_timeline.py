@@ -9,7 +9,8 @@ from srt.managers.timeline import StepTimeline
 
 def test_gaps_period_and_ring() -> None:
     timeline = StepTimeline(("start", "sent", "done"), size=4)
-    assert timeline.summary() == {"steps": 0, "window_steps": 0}
+    empty = timeline.summary()
+    assert empty["steps"] == 0 and empty["window_steps"] == 0 and empty["cpu_s"] >= 0
     for _ in range(6):
         timeline.begin()
         time.sleep(0.002)
@@ -39,11 +40,12 @@ def test_marks_by_step_number_and_missing_gaps() -> None:
         "received_to_launched_ms",
         "launched_to_result_sent_ms",
         "period_ms",
+        "cpu_s",
     }
     timeline.mark("result_sent", -20)  # fell out of the ring: ignored
     only_start = StepTimeline(("a", "b"))
     only_start.begin()
-    assert only_start.summary() == {"steps": 1, "window_steps": 1}
+    assert only_start.summary().keys() == {"steps", "window_steps", "cpu_s"}
 
 
 def test_a_window_from_a_moment_on() -> None:
@@ -64,3 +66,30 @@ def test_a_window_from_a_moment_on() -> None:
     assert timeline.summary()["start_to_done_ms"] >= 4.0  # the median of all five
     nothing = timeline.summary(time.perf_counter())
     assert nothing["window_steps"] == 0 and "period_ms" not in nothing
+
+
+def test_steps_by_kind_count_their_long_steps_in_full() -> None:
+    """A median hides the rare long step; the per-kind totals do not."""
+    timeline = StepTimeline(("start", "done"), size=16)
+    for kind, requests, tokens, sleep_s in [
+        ("extend", 2, 256, 0.03),
+        ("decode", 2, 2, 0.0),
+        ("decode", 3, 3, 0.0),
+        ("extend", 1, 128, 0.03),
+        ("decode", 3, 3, 0.0),
+    ]:
+        timeline.begin()
+        timeline.tag(kind, requests, tokens)
+        time.sleep(sleep_s)
+        timeline.mark("done")
+    timeline.begin()  # the last step's period ends where the next one begins
+    cpu_before = timeline.summary()["cpu_s"]
+    sum(i * i for i in range(300_000))  # some CPU work shows in the process's CPU seconds
+    summary = timeline.summary()
+    assert summary["extend_steps"] == 2 and summary["decode_steps"] == 3
+    assert summary["extend_requests_mean"] == 1.5 and summary["extend_tokens_mean"] == 192
+    assert summary["decode_requests_mean"] == round(8 / 3, 2)
+    assert summary["extend_ms_total"] >= 60.0  # both long steps, in full
+    assert summary["decode_ms_total"] < summary["extend_ms_total"]
+    assert summary["period_ms"] < 30.0  # the median sees only short periods
+    assert summary["cpu_s"] > cpu_before

@@ -231,22 +231,33 @@ def vocab_size_of(base_url: str, headers: dict[str, str] | None = None) -> int:
     return int(server_info(base_url, headers)["model"]["vocab_size"])
 
 
+PROCESSES = ("scheduler", "runner", "tokenizer")
+
+
 def after_run(
-    base_url: str, started: float, headers: dict[str, str] | None = None
+    base_url: str, before: dict[str, Any], headers: dict[str, str] | None = None
 ) -> dict[str, Any]:
     """What the server says once a run is done: the KV slots requests still hold (none, if
-    every finished request gave its slots back; the prefix cache's are apart) and its
-    per-step timeline, per process, over the steps begun since `started` (the server's clock
-    when the run began; of a run longer than the 1024 steps a timeline keeps, the last)."""
-    info = server_info(base_url, headers, timeline_since=started)
+    every finished request gave its slots back; the prefix cache's are apart), its per-step
+    timeline, per process, over the steps begun since the run began (`before`, the server
+    info taken then; of a run longer than the 1024 steps a timeline keeps, the last), and
+    the share of the run's wall time each process spent on a CPU (near 1: it was the
+    bottleneck, or spinning)."""
+    info = server_info(base_url, headers, timeline_since=before["clock_s"])
     scheduler = info["scheduler"]
+    wall = info["clock_s"] - before["clock_s"]
     return {
         "kv_slots_held_after": scheduler["kv_slots_used"] - scheduler["kv_slots_cached"],
         "kv_slots_cached_after": scheduler["kv_slots_cached"],
-        "timeline": {
-            proc: info[proc].get("timeline") for proc in ("scheduler", "runner", "tokenizer")
+        "timeline": {proc: info[proc].get("timeline") for proc in PROCESSES},
+        "cpu_busy": {
+            proc: round((cpu_s(info, proc) - cpu_s(before, proc)) / wall, 3) for proc in PROCESSES
         },
     }
+
+
+def cpu_s(info: dict[str, Any], proc: str) -> float:
+    return float(info[proc]["timeline"]["cpu_s"])
 
 
 TABLE = [
@@ -263,13 +274,30 @@ TABLE = [
     ("ITL p99", "itl_p99"),
     ("E2E p50", "e2e_p50"),
     ("KV held after", "kv_slots_held_after"),
+    # Where the time went: the server's decode batch, its extend (prefill) steps and their
+    # share of the run, and whether a process (or this client) was on a CPU all along.
+    ("decode bs", "decode_bs"),
+    ("extend steps", "extend_steps"),
+    ("extend time %", "extend_share"),
+    ("CPU sched", "cpu_scheduler"),
+    ("CPU runner", "cpu_runner"),
+    ("CPU tok", "cpu_tokenizer"),
+    ("CPU client", "client_cpu_busy"),
 ]
 
 
 def table_row(run: dict[str, Any]) -> dict[str, Any]:
     """A run's row of the printed table (latencies in ms)."""
+    sched = (run.get("timeline") or {}).get("scheduler") or {}
+    total = sched.get("extend_ms_total", 0.0) + sched.get("decode_ms_total", 0.0)
     return {
         **run,
+        "decode_bs": sched.get("decode_requests_mean"),
+        "extend_steps": sched.get("extend_steps"),
+        "extend_share": round(100 * sched.get("extend_ms_total", 0.0) / total, 1)
+        if total
+        else None,
+        **{f"cpu_{proc}": share for proc, share in (run.get("cpu_busy") or {}).items()},
         **{
             f"{m}_{p}": run[f"{m}_ms"][p]
             for m in ("ttft", "tpot", "itl", "e2e")
@@ -293,7 +321,8 @@ def bench(
     runs = []
     for concurrency, num in zip(ns.max_concurrency, counts, strict=True):
         specs = random_requests(num, ns.input_len, ns.output_len, vocab, ns.range_ratio, ns.seed)
-        started = server_info(base_url, headers)["clock_s"]
+        before = server_info(base_url, headers)
+        client_cpu, client_wall = time.process_time(), time.perf_counter()
         records = asyncio.run(
             run_load(
                 base_url,
@@ -315,7 +344,11 @@ def bench(
                 "output_len": ns.output_len,
                 "range_ratio": ns.range_ratio,
                 **metrics(records),
-                **after_run(base_url, started, headers),
+                **after_run(base_url, before, headers),
+                # This client's own share: a saturated client under-reports the server.
+                "client_cpu_busy": round(
+                    (time.process_time() - client_cpu) / (time.perf_counter() - client_wall), 3
+                ),
             }
         )
     return runs

@@ -17,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from srt.batch_layout import ForwardMode
 from srt.managers.io_struct import (
     AbortReq,
     BatchPlan,
@@ -100,6 +101,11 @@ class SchedulerLoop:
 
     def _launch(self, plan: BatchPlan) -> Callable[[], BatchResult]:
         self.timeline.mark("planned")
+        self.timeline.tag(
+            ForwardMode(plan.forward_mode).name.lower(),
+            len(plan.extend_lens),
+            len(plan.input_ids),
+        )
         send(self.to_runner, plan)
         self.timeline.mark("sent")
         return self._result

@@ -2,7 +2,11 @@
 
 Each process that handles steps (scheduler, runner, tokenizer) keeps one: marking costs one
 `perf_counter` call and an array store, so it is always on; `/get_server_info` shows the
-median gaps between consecutive marks over the last steps.
+median gaps between consecutive marks over the last steps. Medians hide the rare long step, so
+the scheduler also tags each step with its kind and batch (`tag`), and the summary adds, per
+kind, the steps, their mean requests and tokens and the total time from their start to the
+next step's; with the process's CPU seconds (`cpu_s`), two answers tell whether a process was
+busy all along (a client diffs them over a run).
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ class StepTimeline:
         self.marks = marks
         self.index = {name: i for i, name in enumerate(marks)}
         self.times = np.full((size, len(marks)), np.nan)
+        # Per step: its kind (an index into `kinds`, -1 untagged), requests and tokens.
+        self.kinds: list[str] = []
+        self.tags = np.full((size, 3), -1, dtype=np.int64)
         self.steps = 0  # steps begun; the current one's row is steps % size
 
     def begin(self, step: int | None = None) -> None:
@@ -28,10 +35,18 @@ class StepTimeline:
         row = self.times[self.steps % len(self.times)]
         row[:] = np.nan
         row[0] = time.perf_counter()
+        self.tags[self.steps % len(self.times)] = -1
+
+    def tag(self, kind: str, requests: int, tokens: int) -> None:
+        """Say what the step just begun is: its kind (e.g. prefill, decode) and batch."""
+        if kind not in self.kinds:
+            self.kinds.append(kind)
+        self.tags[self.steps % len(self.times)] = (self.kinds.index(kind), requests, tokens)
 
     def discard(self) -> None:
         """Forget the step just begun (it turned out to do nothing)."""
         self.times[self.steps % len(self.times)] = np.nan
+        self.tags[self.steps % len(self.times)] = -1
         self.steps -= 1
 
     def mark(self, name: str, step: int | None = None) -> None:
@@ -45,16 +60,22 @@ class StepTimeline:
         step's start to the next's (`period_ms`); a gap no step had is left out. `since` (a
         `time.perf_counter()` value, which on Linux is the same clock in every process)
         keeps only the steps begun from then on; `window_steps` says how many were summed."""
+        cpu_s = round(time.process_time(), 3)
         kept = min(self.steps, len(self.times))
         if kept == 0:
-            return {"steps": 0, "window_steps": 0}
+            return {"steps": 0, "window_steps": 0, "cpu_s": cpu_s}
         # Oldest first, so that the period is taken between consecutive steps.
         order = (np.arange(self.steps - kept + 1, self.steps + 1)) % len(self.times)
-        t = self.times[order]
+        t, tags = self.times[order], self.tags[order]
         if since is not None:
-            t = t[~(t[:, 0] < since)]  # a step begun before `since` is out (NaN rows stay)
+            kept_rows = ~(t[:, 0] < since)  # a step begun before `since` is out (NaN rows stay)
+            t, tags = t[kept_rows], tags[kept_rows]
         t = t * 1000.0
-        out: dict[str, Any] = {"steps": self.steps, "window_steps": int(np.sum(~np.isnan(t[:, 0])))}
+        out: dict[str, Any] = {
+            "steps": self.steps,
+            "window_steps": int(np.sum(~np.isnan(t[:, 0]))),
+            "cpu_s": cpu_s,
+        }
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
             for i in range(1, len(self.marks)):
@@ -62,5 +83,20 @@ class StepTimeline:
                 if not np.isnan(gap):
                     out[f"{self.marks[i - 1]}_to_{self.marks[i]}_ms"] = round(float(gap), 4)
             if len(t) > 1:
-                out["period_ms"] = round(float(np.nanmedian(np.diff(t[:, 0]))), 4)
+                periods = np.diff(t[:, 0])
+                out["period_ms"] = round(float(np.nanmedian(periods)), 4)
+                out.update(self._by_kind(tags[:-1], periods))
+        return out
+
+    def _by_kind(self, tags: np.ndarray, periods: np.ndarray) -> dict[str, Any]:
+        """Per tagged kind: steps, mean requests and tokens, and the milliseconds from their
+        starts to the next step's (a long step, or the wait after it, counts in full)."""
+        out: dict[str, Any] = {}
+        for i, kind in enumerate(self.kinds):
+            rows = (tags[:, 0] == i) & ~np.isnan(periods)
+            if rows.any():
+                out[f"{kind}_steps"] = int(rows.sum())
+                out[f"{kind}_requests_mean"] = round(float(tags[rows, 1].mean()), 2)
+                out[f"{kind}_tokens_mean"] = round(float(tags[rows, 2].mean()), 2)
+                out[f"{kind}_ms_total"] = round(float(periods[rows].sum()), 3)
         return out
