@@ -129,7 +129,10 @@ serving() {  # decode full with overlap (the default), without it, and with no g
     # Concurrency 64 gets 1,000 requests: every one must finish with its token count.
     step "serving-$shape-$variant" python3 -m srt.bench.serving --num-prompts 16 128 1000 256 \
       --max-concurrency 1 32 64 128 --input-len 128 --output-len 64 \
-      --output-file "$out/serving-$shape-$variant.json" -- --model-path "$CKPT" "${flags[@]}"
+      --output-file "$out/serving-$shape-$variant.json" \
+      --server-log "$work/logs/server-$shape-$variant.log" -- --model-path "$CKPT" "${flags[@]}"
+    # A request that failed: what the server said about it.
+    grep -n -i -B2 -A8 "error\|traceback" "$work/logs/server-$shape-$variant.log" | tail -n 40
   done
 }
 

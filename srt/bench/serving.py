@@ -409,6 +409,11 @@ def main(argv: list[str] | None = None) -> None:
         help="Seconds to wait for a server this tool starts.",
     )
     parser.add_argument("--output-file", type=Path, help="Write the JSON results here.")
+    parser.add_argument(
+        "--server-log",
+        type=Path,
+        help="Keep the log of the server this starts here (default: dropped after the run).",
+    )
     add_server_flags_arg(parser, "-- then the flags of the server to start (without --base-url).")
     ns = parser.parse_args(argv)
     flags = server_flags(ns)
@@ -429,7 +434,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with (
             tempfile.TemporaryDirectory() as tmp,
-            ServerProcess(flags, Path(tmp) / "server.log", api_key=ns.api_key) as server,
+            ServerProcess(
+                flags, ns.server_log or Path(tmp) / "server.log", api_key=ns.api_key
+            ) as server,
         ):
             result["server_ready_s"] = round(server.wait_ready(ns.ready_timeout), 3)
             result["runs"] = bench(server.url, ns, server.headers)
