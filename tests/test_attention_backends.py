@@ -181,7 +181,8 @@ def check_static_replay(
     replay later batches of the same bucket through the static buffers.
 
     On CUDA the forward is captured in a real CUDA graph and replayed. Elsewhere (the Triton
-    interpreter) the forward re-runs on the replayed metadata, checked to launch as captured.
+    interpreter) the forward re-runs on the replayed batch, its metadata checked to launch as
+    captured.
     """
     world = World.create(num_kv_heads, head_dim, dtype, device)
     backend = create_attention_backend(backend_name, num_heads, num_kv_heads, head_dim)
@@ -196,7 +197,7 @@ def check_static_replay(
     backend.init_forward_metadata_capture(batch)
     captured = batch.attn_metadata
 
-    def run() -> None:
+    def run(batch: ForwardBatch) -> None:
         backend.forward(
             batch, static_q, static_k, static_v, static_out, world.k_cache, world.v_cache, scale
         )
@@ -204,10 +205,10 @@ def check_static_replay(
     graph = None
     if device == "cuda":
         backup = world.k_cache.clone(), world.v_cache.clone()
-        run()  # the warm-up: compiles (and plans) outside the capture
+        run(batch)  # the warm-up: compiles (and plans) outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            run()
+            run(batch)
         world.k_cache.copy_(backup[0])
         world.v_cache.copy_(backup[1])
 
@@ -228,7 +229,7 @@ def check_static_replay(
             assert step.layout == captured.layout
             assert step.fields.data_ptr() == captured.fields.data_ptr()
             assert step.out_cache_loc.data_ptr() == captured.out_cache_loc.data_ptr()
-            run()
+            run(replayed)
         assert_matches(world, expected, static_out, live.num_tokens)
 
 
@@ -413,3 +414,29 @@ def test_triton_forward_runs_on_its_own_batch_metadata(monkeypatch: pytest.Monke
     monkeypatch.setattr(triton_backend, "decode_attention", decode_in_torch)
     torch.manual_seed(0)
     check_metadata_stays_with_its_batch(**SMALL)
+
+
+def test_triton_refuses_static_metadata_refilled_for_another_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Graph metadata views the static buffers, which every replay hook refills: a forward on
+    an earlier batch's views is refused rather than run on the later batch's layout, and the
+    latest batch's runs (with the decode kernel in plain PyTorch)."""
+    pytest.importorskip("triton")
+    from srt.layers.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "decode_attention", decode_in_torch)
+    torch.manual_seed(0)
+    world = World.create(2, 64, torch.float16, "cpu")
+    backend = create_attention_backend("triton", 8, 2, 64)
+    backend.init_graph_state(4, max_tokens=4)
+    first, *_ = make_batch(world, ForwardMode.DECODE, [(5, 1), (70, 1)], 8, padded_tokens=4)
+    second, q, k, v = make_batch(world, ForwardMode.DECODE, [(30, 1)], 8, padded_tokens=4)
+    expected = reference(world, second, q, k, v)
+    backend.init_forward_metadata_replay(first, 4)
+    backend.init_forward_metadata_replay(second, 4)
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(RuntimeError, match="refilled for another batch"):
+        backend.forward(first, q, k, v, out, world.k_cache, world.v_cache, 64**-0.5)
+    backend.forward(second, q, k, v, out, world.k_cache, world.v_cache, 64**-0.5)
+    assert_matches(world, expected, out, second.num_tokens)

@@ -66,10 +66,10 @@ class AttentionBackend(ABC):
     #   init_forward_metadata_capture(batch)      before warming up and capturing a bucket
     #   init_forward_metadata_replay(batch, bucket)  before every replay of that bucket
     # Each hook sets `batch.attn_metadata`, so the layers must run in the `forward_context` of
-    # that same batch object. `batch` is padded to the bucket (`batch.padded_tokens ==
-    # bucket`; for decode the bucket is also the request count). Its device tensors are views
-    # of the runner's static buffers, the same addresses at capture and at every replay of a
-    # bucket:
+    # that same batch object; metadata in the static buffers is current until the next hook.
+    # `batch` is padded to the bucket (`batch.padded_tokens == bucket`; for decode the bucket
+    # is also the request count). Its device tensors are views of the runner's static
+    # buffers, the same addresses at capture and at every replay of a bucket:
     #   tokens   (input_ids, positions, out_cache_loc) have `bucket` entries; padded tokens
     #            have id 0, position 0 and KV slot 0 (the dummy slot);
     #   requests (req_pool_indices, seq_lens, prefix_lens, extend_lens, extend_start_loc) have

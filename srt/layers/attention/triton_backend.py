@@ -10,9 +10,10 @@ themselves zero the padded rows. The array's views go on the batch (`StepMetadat
 
 For CUDA graphs (the protocol in base.py), `init_graph_state` allocates that array and the
 decode scratch as static buffers sized for the largest bucket; the replay hook refills them in
-place and gives the batch views of them, so a captured graph reads the live batch. Every
-launch grid depends only on the bucket: tokens and the bound on query tiles for extend, batch
-size and split count for decode.
+place and gives the batch views of them, so a captured graph reads the live batch. Those
+views show whatever the latest hook filled in, so a forward refuses them once a hook has run
+for another batch (`static_fill`). Every launch grid depends only on the bucket: tokens and
+the bound on query tiles for extend, batch size and split count for decode.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class StepMetadata:
     tiles: torch.Tensor  # [2, N] int32, rows `aligned(N)` apart
     part_out: torch.Tensor  # [T, Hq, S, D] float32 (decode)
     part_lse: torch.Tensor  # [T, Hq, S] float32 (decode)
+    static_fill: int | None = None  # which fill of the static buffers it views (None: eager)
 
 
 def plan_step(batch: ForwardBatch, layout: StepLayout) -> np.ndarray:
@@ -112,6 +114,7 @@ class TritonBackend(AttentionBackend):
         self.max_bs = 0
         self.static_ints: torch.Tensor | None = None
         self.static_scratch: torch.Tensor | None = None
+        self.static_fills = 0  # replay hooks run; only the latest one's views are current
 
     # ---- layouts ----
 
@@ -141,6 +144,7 @@ class TritonBackend(AttentionBackend):
         ints: torch.Tensor,
         out_cache_loc: torch.Tensor,
         scratch: torch.Tensor,
+        static_fill: int | None = None,
     ) -> StepMetadata:
         r, n = layout.num_reqs, layout.num_tiles
         row, tile_row = aligned(r), aligned(n)
@@ -153,6 +157,7 @@ class TritonBackend(AttentionBackend):
             tiles=ints[tiles_at : tiles_at + 2 * tile_row].view(2, tile_row)[:, :n],
             part_out=scratch[: t * h * s * d].view(t, h, s, d),
             part_lse=scratch[t * h * s * d : t * h * s * (d + 1)].view(t, h, s),
+            static_fill=static_fill,
         )
 
     # ---- eager steps ----
@@ -201,8 +206,9 @@ class TritonBackend(AttentionBackend):
         plan = torch.from_numpy(plan_step(batch, layout))
         # non_blocking, as in init_forward_metadata (a pageable source is staged at once).
         self.static_ints[: plan.numel()].copy_(plan, non_blocking=True)
+        self.static_fills += 1
         batch.attn_metadata = self._views(
-            layout, self.static_ints, batch.out_cache_loc, self.static_scratch
+            layout, self.static_ints, batch.out_cache_loc, self.static_scratch, self.static_fills
         )
 
     # ---- the layer op ----
@@ -225,6 +231,11 @@ class TritonBackend(AttentionBackend):
             raise RuntimeError(
                 f"triton attention: no metadata for a step of {t} tokens "
                 "(init_forward_metadata must run before the layers)"
+            )
+        if step.static_fill not in (None, self.static_fills):
+            raise RuntimeError(
+                "triton attention: the static metadata buffers were refilled for another batch "
+                "since this one's (init_forward_metadata_replay must run for the batch that runs)"
             )
         self.write_kv(step.out_cache_loc, k, v, k_cache, v_cache)
         q = q.view(t, self.num_heads, self.head_dim)
