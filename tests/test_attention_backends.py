@@ -3,7 +3,9 @@
 GPU tests (marked `gpu`) run the kernels for real, including inside a CUDA graph replayed
 with other batches (the FlashInfer ones only where `flashinfer` is installed). On the CPU, one
 test runs a small set of the Triton checks in a subprocess under the Triton interpreter
-(TRITON_INTERPRET=1 must be set before the kernels are defined), when `triton` is installed.
+(TRITON_INTERPRET=1 must be set before the kernels are defined), when `triton` is installed;
+others check the Triton backend's metadata without its kernels: its layout, and which batch's
+metadata a forward runs on (the decode kernel replaced by plain PyTorch).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 
 from srt.batch_layout import ForwardMode
 from srt.layers.attention.base import create_attention_backend
-from srt.layers.attention.torch_native import TorchNativeBackend
+from srt.layers.attention.torch_native import TorchNativeBackend, attend
 from srt.model_executor.forward_batch import ForwardBatch, forward_batch_from_host, pad_tokens
+from srt.model_executor.static_batch import StaticBatch, real_requests
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -178,7 +181,8 @@ def check_static_replay(
     replay later batches of the same bucket through the static buffers.
 
     On CUDA the forward is captured in a real CUDA graph and replayed. Elsewhere (the Triton
-    interpreter) the forward re-runs on the replayed metadata, checked to launch as captured.
+    interpreter) the forward re-runs on the replayed batch, its metadata checked to launch as
+    captured.
     """
     world = World.create(num_kv_heads, head_dim, dtype, device)
     backend = create_attention_backend(backend_name, num_heads, num_kv_heads, head_dim)
@@ -191,9 +195,9 @@ def check_static_replay(
     static_out = torch.empty_like(q)
     batch = dataclasses.replace(batch, out_cache_loc=static_loc)
     backend.init_forward_metadata_capture(batch)
-    captured = backend.step
+    captured = batch.attn_metadata
 
-    def run() -> None:
+    def run(batch: ForwardBatch) -> None:
         backend.forward(
             batch, static_q, static_k, static_v, static_out, world.k_cache, world.v_cache, scale
         )
@@ -201,10 +205,10 @@ def check_static_replay(
     graph = None
     if device == "cuda":
         backup = world.k_cache.clone(), world.v_cache.clone()
-        run()  # the warm-up: compiles (and plans) outside the capture
+        run(batch)  # the warm-up: compiles (and plans) outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            run()
+            run(batch)
         world.k_cache.copy_(backup[0])
         world.v_cache.copy_(backup[1])
 
@@ -216,18 +220,69 @@ def check_static_replay(
         ):
             static.copy_(new)
         static_out.fill_(7.0)
-        backend.init_forward_metadata_replay(
-            dataclasses.replace(live, out_cache_loc=static_loc), bucket
-        )
+        replayed = dataclasses.replace(live, out_cache_loc=static_loc)
+        backend.init_forward_metadata_replay(replayed, bucket)
         if graph is not None:
             graph.replay()
         else:
-            step = backend.step
+            step = replayed.attn_metadata
             assert step.layout == captured.layout
             assert step.fields.data_ptr() == captured.fields.data_ptr()
             assert step.out_cache_loc.data_ptr() == captured.out_cache_loc.data_ptr()
-            run()
+            run(replayed)
         assert_matches(world, expected, static_out, live.num_tokens)
+
+
+def check_metadata_stays_with_its_batch(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str
+) -> None:
+    """Two batches prepared back to back, of the same size so that only their metadata tells
+    them apart: the first one's forward still runs on its own. A batch no hook ran for and a
+    forward of another token count are refused; the copies that reshape a batch start
+    without metadata."""
+    world = World.create(num_kv_heads, head_dim, dtype, device)
+    backend = create_attention_backend("triton", num_heads, num_kv_heads, head_dim)
+    scale = head_dim**-0.5
+    first, q, k, v = make_batch(world, ForwardMode.DECODE, [(5, 1), (70, 1)], num_heads)
+    second, *_ = make_batch(world, ForwardMode.DECODE, [(30, 1), (2, 1)], num_heads)
+    expected = reference(world, first, q, k, v)
+    backend.init_forward_metadata(first)
+    backend.init_forward_metadata(second)
+    out = torch.full_like(q, 7.0)
+    backend.forward(first, q, k, v, out, world.k_cache, world.v_cache, scale)
+    assert_matches(world, expected, out, first.num_tokens)
+
+    unprepared = dataclasses.replace(first, attn_metadata=None)
+    with pytest.raises(RuntimeError, match="no metadata for a step of 2 tokens"):
+        backend.forward(unprepared, q, k, v, out, world.k_cache, world.v_cache, scale)
+    q3, k3, v3 = (torch.cat([t, t[:1]]) for t in (q, k, v))
+    with pytest.raises(RuntimeError, match="no metadata for a step of 3 tokens"):
+        backend.forward(
+            first, q3, k3, v3, torch.empty_like(q3), world.k_cache, world.v_cache, scale
+        )
+    static = StaticBatch(4, 4, torch.device(device))
+    for copy in (pad_tokens(first, 4), static.load(first, 4, 4), real_requests(first)):
+        assert copy.attn_metadata is None
+
+
+def decode_in_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    o: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    scaling: float,
+) -> None:
+    """`decode_attention`'s contract in plain PyTorch, to check the backend around it where
+    the kernel cannot run: request i's one query attends its first `seq_lens[i]` table slots
+    (zeros for length 0, a padded request)."""
+    for i, (row, n) in enumerate(zip(req_rows.tolist(), seq_lens.tolist(), strict=True)):
+        slots = req_to_token[row, :n]
+        o[i] = attend(q[i : i + 1], k_cache[slots], v_cache[slots], n - 1, scaling)[0] if n else 0
 
 
 # ---- GPU ----
@@ -287,19 +342,22 @@ def test_flashinfer_missing_names_the_flag() -> None:
         create_attention_backend("flashinfer", 8, 2, 64)
 
 
+# Shapes for the CPU (fp16: Triton's interpreter multiplies bf16 as raw integers).
+SMALL = dict(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cpu")
+
+
 def run_interpreter_checks() -> None:
-    """The CPU checks, for a process started with TRITON_INTERPRET=1 (fp16: the interpreter
-    multiplies bf16 as raw integers)."""
+    """The CPU checks, for a process started with TRITON_INTERPRET=1."""
     torch.manual_seed(0)
-    small = dict(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cpu")
-    check_eager("triton", ForwardMode.EXTEND, [(0, 1), (0, 70), (60, 9)], pad=2, **small)
-    check_eager("triton", ForwardMode.DECODE, [(0, 1), (130, 1), (1100, 1)], pad=1, **small)
+    check_eager("triton", ForwardMode.EXTEND, [(0, 1), (0, 70), (60, 9)], pad=2, **SMALL)
+    check_eager("triton", ForwardMode.DECODE, [(0, 1), (130, 1), (1100, 1)], pad=1, **SMALL)
     check_static_replay(
-        "triton", ForwardMode.EXTEND, [[(0, 16)], [(3, 2), (65, 5)]], 16, max_bs=4, **small
+        "triton", ForwardMode.EXTEND, [[(0, 16)], [(3, 2), (65, 5)]], 16, max_bs=4, **SMALL
     )
     check_static_replay(
-        "triton", ForwardMode.DECODE, [[(5, 1)] * 4, [(70, 1)]], 4, max_bs=4, **small
+        "triton", ForwardMode.DECODE, [[(5, 1)] * 4, [(70, 1)]], 4, max_bs=4, **SMALL
     )
+    check_metadata_stays_with_its_batch(**SMALL)
 
 
 def test_triton_kernels_under_interpreter() -> None:
@@ -340,8 +398,45 @@ def test_triton_metadata_rows_start_16_byte_aligned(mode: ForwardMode) -> None:
             lambda b: backend.init_forward_metadata_replay(b, b.padded_tokens),
         ):
             init(batch)
-            step = backend.step
+            step = batch.attn_metadata
             base = step.fields.untyped_storage().data_ptr()
             rows = [*step.fields, *step.tiles]
             assert all((row.data_ptr() - base) % 16 == 0 for row in rows), (n, init)
             assert [row.is_contiguous() for row in rows] == [True] * len(rows)
+
+
+def test_triton_forward_runs_on_its_own_batch_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The metadata travels on the batch (here without the decode kernel, which the
+    interpreter checks run for real where they can)."""
+    pytest.importorskip("triton")
+    from srt.layers.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "decode_attention", decode_in_torch)
+    torch.manual_seed(0)
+    check_metadata_stays_with_its_batch(**SMALL)
+
+
+def test_triton_refuses_static_metadata_refilled_for_another_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Graph metadata views the static buffers, which every replay hook refills: a forward on
+    an earlier batch's views is refused rather than run on the later batch's layout, and the
+    latest batch's runs (with the decode kernel in plain PyTorch)."""
+    pytest.importorskip("triton")
+    from srt.layers.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "decode_attention", decode_in_torch)
+    torch.manual_seed(0)
+    world = World.create(2, 64, torch.float16, "cpu")
+    backend = create_attention_backend("triton", 8, 2, 64)
+    backend.init_graph_state(4, max_tokens=4)
+    first, *_ = make_batch(world, ForwardMode.DECODE, [(5, 1), (70, 1)], 8, padded_tokens=4)
+    second, q, k, v = make_batch(world, ForwardMode.DECODE, [(30, 1)], 8, padded_tokens=4)
+    expected = reference(world, second, q, k, v)
+    backend.init_forward_metadata_replay(first, 4)
+    backend.init_forward_metadata_replay(second, 4)
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(RuntimeError, match="refilled for another batch"):
+        backend.forward(first, q, k, v, out, world.k_cache, world.v_cache, 64**-0.5)
+    backend.forward(second, q, k, v, out, world.k_cache, world.v_cache, 64**-0.5)
+    assert_matches(world, expected, out, second.num_tokens)

@@ -1,8 +1,9 @@
 """The per-step batch on the device, and the context that lets custom ops read it.
 
 The model's forward takes only `(input_ids, positions)`, so it traces with one dynamic token
-dimension; everything else a step needs (KV slots, sequence lengths, the attention backend)
-is read by the attention op from the current `ForwardBatch`, set around each forward.
+dimension; everything else a step needs (KV slots, sequence lengths, the attention backend and
+its metadata) is read by the attention op from the current `ForwardBatch`, set around each
+forward.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +42,11 @@ class ForwardBatch:
     req_pool_indices_cpu: list[int]
     req_to_token: torch.Tensor  # [max_requests, context_len] token slot table
     attn_backend: AttentionBackend
+    # What `attn_backend` prepared for this step: set by its `init_forward_metadata*` hooks,
+    # read by its `forward`. On the batch rather than the backend, so that a forward reads
+    # the metadata of its own batch and no other; None until a hook runs, and on the copies
+    # that reshape a batch (`pad_tokens`, `StaticBatch.load`, `real_requests`).
+    attn_metadata: Any = None
 
     @property
     def padded_tokens(self) -> int:
@@ -139,6 +145,7 @@ def pad_tokens(batch: ForwardBatch, padded_tokens: int) -> ForwardBatch:
 
     Padded tokens take id 0, position 0 and KV slot 0 (the dummy slot); the attention op
     attends only the real `num_tokens` and zeroes the tail, so real outputs are unchanged.
+    The copy starts without attention metadata: what was prepared for `batch` does not fit it.
     """
     extra = padded_tokens - batch.padded_tokens
     if extra <= 0:
@@ -152,4 +159,5 @@ def pad_tokens(batch: ForwardBatch, padded_tokens: int) -> ForwardBatch:
         input_ids=pad(batch.input_ids),
         positions=pad(batch.positions),
         out_cache_loc=pad(batch.out_cache_loc),
+        attn_metadata=None,
     )

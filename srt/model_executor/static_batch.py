@@ -40,7 +40,8 @@ class StaticBatch:
     def load(self, batch: ForwardBatch, tokens: int, requests: int) -> ForwardBatch:
         """Copy `batch` in, padded to `tokens` tokens and `requests` requests; return the padded
         batch, whose device tensors view the buffers (the same views for every batch of a
-        bucket). Its counts and CPU lists stay those of the real requests."""
+        bucket). Its counts and CPU lists stay those of the real requests; it has no attention
+        metadata yet (the runner's hook prepares it for the padded batch)."""
         n, r = batch.num_tokens, batch.batch_size
         if n > tokens or r > requests:
             raise ValueError(
@@ -82,12 +83,13 @@ class StaticBatch:
             prefix_lens=self.prefix_lens[:requests],
             extend_lens=self.extend_lens[:requests],
             extend_start_loc=self.extend_start_loc[:requests],
+            attn_metadata=None,
         )
 
 
 def real_requests(batch: ForwardBatch) -> ForwardBatch:
     """`batch` with its per-request tensors cut to the real requests (token tensors stay
-    padded): the form eager attention takes."""
+    padded): the form eager attention takes, its metadata to be prepared for it."""
     r = batch.batch_size
     return dataclasses.replace(
         batch,
@@ -96,6 +98,7 @@ def real_requests(batch: ForwardBatch) -> ForwardBatch:
         prefix_lens=batch.prefix_lens[:r],
         extend_lens=batch.extend_lens[:r],
         extend_start_loc=batch.extend_start_loc[:r],
+        attn_metadata=None,
     )
 
 

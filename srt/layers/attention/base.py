@@ -17,6 +17,11 @@ class AttentionBackend(ABC):
     `forward` writes the new tokens' K and V at `batch.out_cache_loc`, attends each real token
     to its request's cached keys (causally), writes `out[:num_tokens]`, and zeroes the padded
     tail `out[num_tokens:]`.
+
+    Per-step metadata is a value on the batch: the `init_forward_metadata*` hooks set
+    `batch.attn_metadata` and `forward` reads it from there, never from the backend, so a
+    forward runs on its own batch's metadata whatever was prepared for others. The backend keeps
+    only what outlives a step (static graph buffers, workspaces, what it learned).
     """
 
     # Whether `write_kv` may use its Triton kernel: not for the reference backend, whose
@@ -51,7 +56,7 @@ class AttentionBackend(ABC):
             v_cache[loc] = v
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:  # noqa: B027 (optional hook)
-        """Prepare per-step metadata, once per forward, before any layer runs."""
+        """Set `batch.attn_metadata` for its forward, once, before any layer runs."""
 
     # --- CUDA graph capture (the `full` graph backend) -------------------------------------
     # The `full` runner captures the whole forward, this backend's kernels included, once per
@@ -60,6 +65,8 @@ class AttentionBackend(ABC):
     #                                             both phases; never called again
     #   init_forward_metadata_capture(batch)      before warming up and capturing a bucket
     #   init_forward_metadata_replay(batch, bucket)  before every replay of that bucket
+    # Each hook sets `batch.attn_metadata`, so the layers must run in the `forward_context` of
+    # that same batch object; metadata in the static buffers is current until the next hook.
     # `batch` is padded to the bucket (`batch.padded_tokens == bucket`; for decode the bucket
     # is also the request count). Its device tensors are views of the runner's static
     # buffers, the same addresses at capture and at every replay of a bucket:
@@ -87,13 +94,14 @@ class AttentionBackend(ABC):
         requests and `max_tokens` tokens (optional hook)."""
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        """Metadata for a bucket about to be warmed up and captured, in the static buffers."""
+        """`batch.attn_metadata` for a bucket about to be warmed up and captured, in the static
+        buffers."""
         self.init_forward_metadata_replay(batch, batch.padded_tokens)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, bucket: int) -> None:
         """Refill the static buffers from the live, padded `batch` before a replay of the
-        graph captured for `bucket`. Default: the eager metadata (right for a backend whose
-        forward reads only `batch`)."""
+        graph captured for `bucket`, and set `batch.attn_metadata` to views of them. Default:
+        the eager metadata (right for a backend whose forward reads only `batch`)."""
         self.init_forward_metadata(batch)
 
     @abstractmethod

@@ -6,9 +6,13 @@ running sum of sequence lengths and `kv_indices` the slots themselves. Decode ba
 `BatchDecodeWithPagedKVCacheWrapper`, extend batches `BatchPrefillWithPagedKVCacheWrapper`
 (causal, queries aligned to the end of their KV).
 
-`plan` needs the query and KV dtypes, which the backend learns from the first layer it runs;
-so a step is planned at its first layer, except a graph replay, which is planned in the replay
-hook (the warm-up before every capture has run a layer by then). Only decode runs inside
+A step's wrapper and plan arguments (`FlashInferStep`) go on the batch, in
+`batch.attn_metadata`, where `forward` reads them; the wrappers and their workspace are the
+backend's. `plan` needs the query and KV dtypes, which the backend learns from the first layer
+it runs; so a step is planned at its first layer, except a graph replay, which is planned in
+the replay hook (the warm-up before every capture has run a layer by then). A plan lives in
+the wrappers (and the graph index buffers) until the next one, so a step whose plan another
+step's has replaced is planned again before it runs (`plan_id`). Only decode runs inside
 `full` CUDA graphs: one wrapper per captured batch size, on static index buffers.
 """
 
@@ -37,6 +41,8 @@ WORKSPACE_BYTES = 128 * 2**20
 
 @dataclass
 class FlashInferStep:
+    """One batch's `attn_metadata`: what to plan its wrapper with, and what it was planned for."""
+
     wrapper: Any  # the decode or prefill wrapper planned for this step
     plan_args: tuple
     plan_kwargs: dict[str, Any]
@@ -44,6 +50,7 @@ class FlashInferStep:
     rows: int  # query rows the kernel computes; the rest of `out` is zeroed
     pad_rows: torch.Tensor | None = None  # captured decode: [bucket] bool, padded requests
     planned: dict[str, Any] = field(default_factory=dict)  # dtypes and scale it was planned for
+    plan_id: int | None = None  # which of the backend's plans is its (None: not planned)
 
 
 def indptr(lengths: list[int]) -> torch.Tensor:
@@ -74,7 +81,7 @@ class FlashInferBackend(AttentionBackend):
         self.decode_wrapper: Any = None
         self.prefill_wrapper: Any = None
         self.dtypes: dict[str, Any] = {}  # q/kv dtypes and scale, from the first layer run
-        self.step: FlashInferStep | None = None
+        self.plans = 0  # plans made; a step runs on its plan while that is the latest
         # CUDA graphs (decode only)
         self.max_bs = 0
         self.graph_wrappers: dict[int, Any] = {}
@@ -94,7 +101,8 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan(self, step: FlashInferStep) -> None:
         step.wrapper.plan(*step.plan_args, **step.plan_kwargs, **self.dtypes)
-        step.planned = dict(self.dtypes)
+        self.plans += 1
+        step.planned, step.plan_id = dict(self.dtypes), self.plans
 
     # ---- eager steps ----
 
@@ -104,11 +112,11 @@ class FlashInferBackend(AttentionBackend):
         pages = (indptr(batch.seq_lens_cpu), kv_indices(batch), torch.ones(bs, dtype=torch.int32))
         heads = (self.num_heads, self.num_kv_heads, self.head_dim, 1)
         if batch.mode == ForwardMode.DECODE:
-            self.step = FlashInferStep(
+            batch.attn_metadata = FlashInferStep(
                 self.decode_wrapper, (*pages, *heads), {}, batch.out_cache_loc, rows=bs
             )
         else:
-            self.step = FlashInferStep(
+            batch.attn_metadata = FlashInferStep(
                 self.prefill_wrapper,
                 (indptr(batch.extend_lens_cpu), *pages, *heads),
                 {"causal": True},
@@ -166,11 +174,12 @@ class FlashInferBackend(AttentionBackend):
         pad_rows[:bs].fill_(False)
         pad_rows[bs:].fill_(True)
         heads = (self.num_heads, self.num_kv_heads, self.head_dim, 1)
-        self.step = FlashInferStep(
+        step = FlashInferStep(
             wrapper, (*pages, *heads), {}, batch.out_cache_loc, rows=bucket, pad_rows=pad_rows
         )
         if self.dtypes:
-            self._plan(self.step)
+            self._plan(step)
+        batch.attn_metadata = step
 
     # ---- the layer op ----
 
@@ -185,15 +194,17 @@ class FlashInferBackend(AttentionBackend):
         v_cache: torch.Tensor,
         scaling: float,
     ) -> None:
-        step = self.step
-        if step is None:
+        step = batch.attn_metadata
+        if not isinstance(step, FlashInferStep):
             raise RuntimeError("flashinfer attention: init_forward_metadata must run first")
         dtypes = {"q_data_type": q.dtype, "kv_data_type": k_cache.dtype, "sm_scale": scaling}
-        if step.planned != dtypes:
-            if step.planned or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if step.planned and step.planned != dtypes:
+            raise RuntimeError(f"flashinfer attention was planned for {step.planned}, got {dtypes}")
+        if step.plan_id != self.plans:  # not planned yet, or another step was planned since
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
-                    f"flashinfer attention was planned for {step.planned or 'nothing'}, "
-                    f"got {dtypes}"
+                    f"flashinfer attention: the step being captured is not planned for {dtypes} "
+                    "(the replay hook plans it once a warm-up has run a layer)"
                 )
             self.dtypes = dtypes
             self._plan(step)

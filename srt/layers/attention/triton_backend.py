@@ -5,12 +5,15 @@ lists (no device sync), as one int32 array that is copied to the device once and
 every layer: per request its table row, KV length, prefix length, extend length and first
 token; for extend batches also the list of query tiles. The padded tail of an extend batch is
 one more request with no keys, and padded decode requests have length 0, so the kernels
-themselves zero the padded rows.
+themselves zero the padded rows. The array's views go on the batch (`StepMetadata` in
+`batch.attn_metadata`), where `forward` reads them.
 
 For CUDA graphs (the protocol in base.py), `init_graph_state` allocates that array and the
 decode scratch as static buffers sized for the largest bucket; the replay hook refills them in
-place, so a captured graph reads the live batch. Every launch grid depends only on the
-bucket: tokens and the bound on query tiles for extend, batch size and split count for decode.
+place and gives the batch views of them, so a captured graph reads the live batch. Those
+views show whatever the latest hook filled in, so a forward refuses them once a hook has run
+for another batch (`static_fill`). Every launch grid depends only on the bucket: tokens and
+the bound on query tiles for extend, batch size and split count for decode.
 """
 
 from __future__ import annotations
@@ -66,12 +69,15 @@ class StepLayout:
 
 @dataclass
 class StepMetadata:
+    """One batch's `attn_metadata`: its own tensors (eager) or views of the static buffers."""
+
     layout: StepLayout
     out_cache_loc: torch.Tensor  # [T] int64
     fields: torch.Tensor  # [NUM_FIELDS, R] int32, rows `aligned(R)` apart
     tiles: torch.Tensor  # [2, N] int32, rows `aligned(N)` apart
     part_out: torch.Tensor  # [T, Hq, S, D] float32 (decode)
     part_lse: torch.Tensor  # [T, Hq, S] float32 (decode)
+    static_fill: int | None = None  # which fill of the static buffers it views (None: eager)
 
 
 def plan_step(batch: ForwardBatch, layout: StepLayout) -> np.ndarray:
@@ -105,10 +111,10 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
-        self.step: StepMetadata | None = None
         self.max_bs = 0
         self.static_ints: torch.Tensor | None = None
         self.static_scratch: torch.Tensor | None = None
+        self.static_fills = 0  # replay hooks run; only the latest one's views are current
 
     # ---- layouts ----
 
@@ -138,6 +144,7 @@ class TritonBackend(AttentionBackend):
         ints: torch.Tensor,
         out_cache_loc: torch.Tensor,
         scratch: torch.Tensor,
+        static_fill: int | None = None,
     ) -> StepMetadata:
         r, n = layout.num_reqs, layout.num_tiles
         row, tile_row = aligned(r), aligned(n)
@@ -150,6 +157,7 @@ class TritonBackend(AttentionBackend):
             tiles=ints[tiles_at : tiles_at + 2 * tile_row].view(2, tile_row)[:, :n],
             part_out=scratch[: t * h * s * d].view(t, h, s, d),
             part_lse=scratch[t * h * s * d : t * h * s * (d + 1)].view(t, h, s),
+            static_fill=static_fill,
         )
 
     # ---- eager steps ----
@@ -165,7 +173,7 @@ class TritonBackend(AttentionBackend):
             dtype=torch.float32,
             device=device,
         )
-        self.step = self._views(layout, ints, batch.out_cache_loc, scratch)
+        batch.attn_metadata = self._views(layout, ints, batch.out_cache_loc, scratch)
 
     # ---- CUDA graphs ----
 
@@ -198,7 +206,10 @@ class TritonBackend(AttentionBackend):
         plan = torch.from_numpy(plan_step(batch, layout))
         # non_blocking, as in init_forward_metadata (a pageable source is staged at once).
         self.static_ints[: plan.numel()].copy_(plan, non_blocking=True)
-        self.step = self._views(layout, self.static_ints, batch.out_cache_loc, self.static_scratch)
+        self.static_fills += 1
+        batch.attn_metadata = self._views(
+            layout, self.static_ints, batch.out_cache_loc, self.static_scratch, self.static_fills
+        )
 
     # ---- the layer op ----
 
@@ -213,13 +224,18 @@ class TritonBackend(AttentionBackend):
         v_cache: torch.Tensor,
         scaling: float,
     ) -> None:
-        # Per-step data comes from `self.step` only (static buffers when captured).
-        step = self.step
+        # Per-step data comes from the batch only (views of the static buffers when captured).
+        step = batch.attn_metadata
         t = q.shape[0]
-        if step is None or step.layout.num_tokens != t:
+        if not isinstance(step, StepMetadata) or step.layout.num_tokens != t:
             raise RuntimeError(
                 f"triton attention: no metadata for a step of {t} tokens "
                 "(init_forward_metadata must run before the layers)"
+            )
+        if step.static_fill not in (None, self.static_fills):
+            raise RuntimeError(
+                "triton attention: the static metadata buffers were refilled for another batch "
+                "since this one's (init_forward_metadata_replay must run for the batch that runs)"
             )
         self.write_kv(step.out_cache_loc, k, v, k_cache, v_cache)
         q = q.view(t, self.num_heads, self.head_dim)
