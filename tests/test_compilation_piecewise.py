@@ -22,8 +22,10 @@ from compile_helpers import (
     max_logit_error,
     tc_engine,
 )
+from graph_emulation import EmulatedCapturer
 from torch import fx, nn
 
+import srt.model_executor.graph_memory as graph_memory
 from srt import Engine
 from srt.batch_layout import ForwardMode
 from srt.compilation.cache import CacheFactors, CompileCache, collect_factors
@@ -205,27 +207,43 @@ def test_a_damaged_saved_graph_is_traced_again(
         assert compile_info(third)["graph_source"] == "loaded"
 
 
-def test_bucket_states_and_the_manifest(tiny_llama: Path, tmp_path: Path) -> None:
+@pytest.fixture
+def capturer(monkeypatch: pytest.MonkeyPatch) -> EmulatedCapturer:
+    """CUDA graph capture emulated on the CPU (tests/graph_emulation.py)."""
+    emulated = EmulatedCapturer()
+    monkeypatch.setattr(graph_memory, "default_capturer", lambda device: emulated)
+    return emulated
+
+
+def test_bucket_states_and_the_manifest(
+    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer
+) -> None:
     with tc_engine(tiny_llama, tmp_path, "eager", enable_prefix_caching=False) as eng:
         one = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
         eng.generate(input_ids=PROMPTS[0], sampling_params=one)  # prefill 5 tokens, 2 decodes
         graphs = eng.get_server_info()["graphs"]
         decode = {b["bucket"]: b for b in graphs["decode"]["buckets"]}
         prefill = {b["bucket"]: b for b in graphs["prefill"]["buckets"]}
-        assert (decode[1]["state"], decode[1]["hits"]) == ("specialised", 2)
+        # A bucket's first hit captures it (and replays); the second only replays.
+        assert (decode[1]["state"], decode[1]["replays"]) == ("captured", 2)
         assert (decode[2]["state"], decode[4]["state"]) == ("unseen", "unseen")
-        assert (prefill[8]["state"], prefill[8]["hits"]) == ("warm", 1)
-        assert (graphs["decode"]["captured"], graphs["prefill"]["captured"]) == ([1], [])
+        assert (prefill[8]["state"], prefill[8]["replays"]) == ("captured", 1)
+        assert (graphs["decode"]["captured"], graphs["prefill"]["captured"]) == ([1], [8])
+        pieces = graphs["decode"]["pieces_captured"]
         eng.generate(input_ids=PROMPTS[0], sampling_params=one)
-        decode = {b["bucket"]: b for b in eng.get_server_info()["graphs"]["decode"]["buckets"]}
-        assert (decode[1]["state"], decode[1]["hits"]) == ("replayed", 4)
+        graphs = eng.get_server_info()["graphs"]
+        decode = {b["bucket"]: b for b in graphs["decode"]["buckets"]}
+        assert decode[1]["replays"] == 4 and graphs["decode"]["pieces_captured"] == pieces
         eng.generate(input_ids=list(range(1, 30)), sampling_params=one)  # beyond bucket 16
-        assert eng.get_server_info()["graphs"]["prefill"]["general_runs"] == 1
+        prefill_info = eng.get_server_info()["graphs"]["prefill"]
+        assert prefill_info["general_runs"] == prefill_info["uncaptured_runs"] == 1
         manifest = Path(compile_info(eng)["cache_dir"]) / "manifest.json"
         assert json.loads(manifest.read_text()) == {"buckets": {"prefill": [8], "decode": [1]}}
 
 
-def test_upfront_specialises_every_bucket_before_serving(tiny_llama: Path, tmp_path: Path) -> None:
+def test_upfront_specialises_every_bucket_before_serving(
+    tiny_llama: Path, tmp_path: Path, capturer: EmulatedCapturer
+) -> None:
     with tc_engine(tiny_llama, tmp_path, "eager", cuda_graph_capture="upfront") as eng:
         graphs = eng.get_server_info()["graphs"]
         for phase, ladder in (
@@ -233,9 +251,18 @@ def test_upfront_specialises_every_bucket_before_serving(tiny_llama: Path, tmp_p
             ("decode", "cuda_graph_bs_decode"),
         ):
             states = {b["bucket"]: b["state"] for b in graphs[phase]["buckets"]}
-            assert states == dict.fromkeys(LADDERS[ladder], "specialised")
+            assert states == dict.fromkeys(LADDERS[ladder], "captured")
         # Prewarming is not traffic: the manifest stays empty.
         assert not (Path(compile_info(eng)["cache_dir"]) / "manifest.json").exists()
+
+
+def test_on_the_cpu_tc_piecewise_runs_the_general_graph(tiny_llama: Path, tmp_path: Path) -> None:
+    """Nothing to capture: every batch runs the compiled general graph unpadded."""
+    with tc_engine(tiny_llama, tmp_path, "eager") as eng:
+        eng.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 3})
+        decode = eng.get_server_info()["graphs"]["decode"]
+        assert decode["captured"] == [] and decode["uncaptured_runs"] == decode["general_runs"]
+        assert decode["general_runs"] >= 2
 
 
 # ---- the cache key and its directories --------------------------------------------------------

@@ -101,11 +101,6 @@ def test_disable_cuda_graph_turns_every_phase_off() -> None:
         ),
         ({"cuda_graph_bs_decode": [0, 2]}, "--cuda-graph-bs-decode: buckets must be positive"),
         (
-            {"cuda_graph_config": '{"decode": {"backend": "breakable", "tc_compiler": "eager"}}'},
-            "--cuda-graph-config decode.tc_compiler: a tc compiler needs backend tc_piecewise "
-            "or full, not breakable",
-        ),
-        (
             {
                 "cuda_graph_config": '{"decode": {"backend": "full", "tc_compiler": "inductor"}}',
                 "enable_torch_compile": True,
@@ -329,6 +324,34 @@ def test_padded_graphs_give_the_eager_ids(
         assert states(eng, "decode") == {4: ("captured", 4), 2: ("captured", 4), 1: ("captured", 6)}
 
 
+@pytest.mark.parametrize("capture", ["disabled", "full", "breakable", "tc_piecewise"])
+@pytest.mark.parametrize("compiler", [None, "eager"])
+def test_every_capture_kind_over_every_forward_gives_the_eager_ids(
+    tiny_llama: Path,
+    tmp_path: Path,
+    capturer: EmulatedCapturer,
+    reference: list[list[int]],
+    capture: str,
+    compiler: str | None,
+) -> None:
+    """How a phase is compiled and how it is captured are two independent choices: each
+    capture kind records the eager forward or the compiled general graph alike."""
+    if capture == "tc_piecewise" and compiler is None:
+        pytest.skip("tc_piecewise always runs the compiled general graph")
+    phase = {"backend": capture, **({"tc_compiler": compiler} if compiler else {})}
+    with make_engine(
+        tiny_llama, tmp_path, cuda_graph_config=json.dumps({"decode": phase, "prefill": phase})
+    ) as eng:
+        assert generate(eng) == reference
+        assert generate(eng) == reference
+        decode = phase_info(eng, "decode")
+        assert decode.get("tc_compiler") == compiler
+        if capture != "disabled":
+            assert decode["captured"] == [1, 2, 4] and capturer.sessions > 0
+        if compiler is not None:
+            assert eng.get_server_info()["runner"]["compile"]["traces"] == 1
+
+
 def test_a_full_graph_takes_the_greedy_argmax_along(
     tiny_llama: Path,
     tmp_path: Path,
@@ -336,25 +359,60 @@ def test_a_full_graph_takes_the_greedy_argmax_along(
     reference: list[list[int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A greedy decode step replayed from a `full` graph samples no argmax of its own: the
-    graph computed it beside the logits, and those are the ids."""
+    """A greedy decode step replayed from a `full` graph samples nothing of its own: the
+    graph computed the argmax beside the logits, and those are the ids. Only the eager steps
+    (prefill here) run the sampler."""
     from srt.model_executor import model_runner
 
-    given: list[bool] = []
+    calls: list[torch.Tensor | None] = []
 
     def sample(logits: torch.Tensor, batch: Any, greedy: torch.Tensor | None = None) -> Any:
-        given.append(greedy is not None)
-        if greedy is not None:
-            assert torch.equal(greedy, logits.argmax(dim=-1))
+        calls.append(greedy)
         return real_sample(logits, batch, greedy)
 
     real_sample = model_runner.sample
     monkeypatch.setattr(model_runner, "sample", sample)
-    with make_engine(tiny_llama, tmp_path, cuda_graph_backend_decode="full") as eng:
+    with make_engine(
+        tiny_llama, tmp_path, cuda_graph_backend_decode="full", skip_warmup=True
+    ) as eng:
         assert generate(eng) == reference
-        replays = phase_info(eng, "decode")["replays"]
-    # Only replays come with the graph's argmax: prefill and warm-ups (eager) do not.
-    assert sum(given) == replays > 0 and not all(given)
+        decode = phase_info(eng, "decode")
+        steps = eng.get_server_info()["scheduler"]
+    assert decode["replays"] == steps["decode_steps"] > 0
+    assert len(calls) == steps["prefill_steps"] and all(g is None for g in calls)
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_a_full_graph_samples_in_a_graph_of_its_bucket(
+    tiny_llama: Path,
+    tmp_path: Path,
+    capturer: EmulatedCapturer,
+    seeded: bool,
+) -> None:
+    """Top-k/top-p/min-p sampling of a replayed step runs in the bucket's sampler graph,
+    captured once per bucket: the same ids as the uncaptured sampler, mixed greedy rows too."""
+    params = [
+        {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+        {"max_new_tokens": 6, "temperature": 0.9, "top_k": 20, "top_p": 0.8, "ignore_eos": True},
+        {"max_new_tokens": 6, "temperature": 1.3, "min_p": 0.05, "ignore_eos": True},
+    ]
+    if seeded:
+        params = [{**p, "seed": 11 + i} for i, p in enumerate(params)]
+
+    def run(**graphs: Any) -> tuple[list[list[int]], dict[str, Any]]:
+        with make_engine(tiny_llama, tmp_path / str(len(graphs)), **graphs) as eng:
+            out = [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=params)]
+            return out, phase_info(eng, "decode")
+
+    eager, _ = run(cuda_graph_backend_decode="disabled")
+    sessions = capturer.sessions
+    graphed, decode = run(cuda_graph_backend_decode="full")
+    if seeded:  # a seed fixes the draws: the graph must reproduce them
+        assert graphed == eager
+    assert [len(o) for o in graphed] == [6, 6, 6]
+    # The three decode together (bucket 4) for 5 steps: one forward graph, one sampler graph.
+    assert decode["captured"] == decode["samplers_captured"] == [4]
+    assert capturer.sessions - sessions == 2 and decode["replays"] == 5
 
 
 def test_the_greedy_argmax_runs_in_the_warm_up_before_its_capture(
@@ -617,14 +675,17 @@ def test_tc_piecewise_piece_graphs_give_the_eager_ids(
         cuda_graph_backend_prefill="tc_piecewise",
     ) as eng:
         pieces = eng.model_config.num_layers + 1
-        assert generate(eng) == reference  # first hits: the general graph (warm-up)
-        assert generate(eng) == reference  # second hits capture, later ones replay
+        # A bucket's first hit warms its pieces up and captures them (two forwards in that
+        # step, as with every capture kind); later hits replay.
+        assert generate(eng) == reference
         assert generate(eng) == reference
         labels = eng.runner.graph_pool.labels
-        # Decode buckets 4, 2, 1 and the prefill bucket 8 (prefix-cached rounds), every piece
-        # captured exactly once.
-        assert capturer.sessions == len(labels) == 4 * pieces and max(labels.values()) == 1
+        # Decode buckets 4, 2, 1 and the prefill buckets 16 (the first round) and 8
+        # (prefix-cached rounds), every piece captured exactly once.
+        assert capturer.sessions == len(labels) == 5 * pieces and max(labels.values()) == 1
         assert capturer.replays > 0
+        decode = phase_info(eng, "decode")
+        assert decode["captured"] == [1, 2, 4] and decode["pieces_captured"] == 3 * pieces
 
 
 def test_piece_graphs_decline_over_budget() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from srt.custom_op_selection import HAS_TRITON
@@ -34,7 +35,50 @@ class SamplingBatch:
     top_ks: torch.Tensor  # [B] int64; >= vocab disables
     min_ps: torch.Tensor  # [B] float32 in [0, 1)
     seeds: torch.Tensor  # [B] int64
-    positions: torch.Tensor  # [B] int64, the position of the token being sampled
+    positions: torch.Tensor  # [B] int32 or int64, the position of the token being sampled
+
+
+@dataclass
+class SamplingArrays:
+    """A batch's sampling parameters on the host, one entry per request (as a plan has them)."""
+
+    temperatures: np.ndarray  # float32
+    top_ps: np.ndarray  # float32
+    top_ks: np.ndarray  # int64
+    min_ps: np.ndarray  # float32
+    seeds: np.ndarray  # int64
+
+
+class SamplingBuffers:
+    """Device buffers for the sampling parameters of up to `capacity` requests, filled from the
+    host in two copies (the floats, the ints): each copy costs a host-device round trip. A
+    captured sampler reads the views of one row count, the same addresses every step."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.floats = torch.zeros(3 * capacity, dtype=torch.float32, device=device)
+        self.ints = torch.zeros(2 * capacity, dtype=torch.int64, device=device)
+
+    def load(
+        self, arrays: SamplingArrays, positions: torch.Tensor, rows: int | None = None
+    ) -> SamplingBatch:
+        """`arrays` in, as a `SamplingBatch` of `rows` rows (default: one per request); rows
+        beyond the requests are greedy. `positions`: [rows] of the token each row samples."""
+        n = len(arrays.temperatures)
+        rows = n if rows is None else rows
+        if n > rows or rows > self.capacity:
+            raise ValueError(f"{n} requests in {rows} rows of {self.capacity} buffered")
+        floats = np.zeros((3, rows), dtype=np.float32)
+        floats[:, :n] = (arrays.temperatures, arrays.top_ps, arrays.min_ps)
+        floats[1, n:] = 1.0  # top_p of the greedy padding rows: no filter
+        ints = np.zeros((2, rows), dtype=np.int64)
+        ints[:, :n] = (arrays.top_ks, arrays.seeds)
+        # non_blocking: the host may be a step ahead of the device (overlap scheduling).
+        self.floats[: 3 * rows].copy_(torch.from_numpy(floats.ravel()), non_blocking=True)
+        self.ints[: 2 * rows].copy_(torch.from_numpy(ints.ravel()), non_blocking=True)
+        temperatures, top_ps, min_ps = self.floats[: 3 * rows].split(rows)
+        top_ks, seeds = self.ints[: 2 * rows].split(rows)
+        return SamplingBatch(temperatures, top_ps, top_ks, min_ps, seeds, positions)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +92,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     """[B, vocab] uniforms in (0, 1), a pure function of (seed, position, token id); all 64
     bits of the seed count (the high half is hashed in on its own, so seeds that differ only
     there draw different streams)."""
+    positions = positions.long()
     high = _hash32(((seeds >> 32) & _MASK32) + 0x7F4A7C15)
     row = _hash32((seeds & _MASK32) ^ high ^ _hash32((positions & _MASK32) + 0x9E3779B9))
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)

@@ -1,11 +1,12 @@
 """The `breakable` graph backend: per bucket, a sequence of CUDA-graph segments split at the
 split ops (the ops marked eager-on-graph with `@register_split_op`: attention).
 
-No compilation. The bucket's forward runs once under a `TorchFunctionMode` that ends the
-current segment at each split op, records the op and its arguments instead of running it,
-and begins the next segment. On replay each segment replays, then its split op runs eagerly
-on the live batch (its metadata from `init_forward_metadata`, as in an eager step), writing
-into the output buffer the captured segments read. All segments share the runner's pool.
+The bucket's forward (the phase's, compiled or not) runs once under a `TorchFunctionMode`
+that ends the current segment at each split op, records the op and its arguments instead of
+running it, and begins the next segment. On replay each segment replays, then its split op
+runs eagerly on the live batch (its metadata from `init_forward_metadata`, as in an eager
+step), writing into the output buffer the captured segments read. All segments share the
+runner's pool.
 
 The recorded arguments are held without owning their memory (`unowned`), so a captured
 bucket pins nothing in the pool: the next capture may reuse that memory, which is safe
@@ -24,10 +25,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
 from srt.compilation.custom_ops import split_ops
+from srt.layers.sampler import SamplingArrays
 from srt.model_executor.forward_batch import ForwardBatch, forward_context
-from srt.model_executor.graph_config import Backend
-from srt.model_executor.graph_memory import CaptureSession, Graph
-from srt.model_executor.graph_runner import BucketRunner, forward_logits
+from srt.model_executor.graph_memory import Captured, CaptureSession, Graph
+from srt.model_executor.graph_runner import GraphRunner, StaticLogits
 from srt.model_executor.static_batch import real_requests
 
 
@@ -95,21 +96,32 @@ class SplitAtOps(TorchFunctionMode):
         return None
 
 
-class BreakableGraphRunner(BucketRunner):
-    backend = Backend.BREAKABLE
+class BreakableCapture:
+    """The `breakable` capture kind of a phase's `GraphRunner`."""
+
+    def __init__(self, runner: GraphRunner) -> None:
+        self.runner = runner
+        self.out = StaticLogits(runner.requests_for(runner.config.bs[-1]))
+
+    def specialise(self, padded: ForwardBatch, bucket: int) -> Captured[SegmentedGraph] | None:
+        return self.runner.env.pool.capture(
+            f"{self.runner.phase.value} bucket {bucket} (breakable)",
+            lambda: self.warmup(padded, bucket),
+            lambda session: self.record(padded, bucket, session),
+        )
 
     def warmup(self, padded: ForwardBatch, bucket: int) -> None:
+        # Eager attention takes the real requests (their token tensors stay padded).
         batch = real_requests(padded)
-        self.env.attn_backend.init_forward_metadata(batch)
-        with forward_context(batch):
-            self.keep_logits(forward_logits(self.env.model, padded))
+        self.runner.env.attn_backend.init_forward_metadata(batch)
+        self.out.keep(self.runner.forward(batch, bucket))
 
-    def record(self, padded: ForwardBatch, bucket: int, session: CaptureSession) -> Graph:
+    def record(self, padded: ForwardBatch, bucket: int, session: CaptureSession) -> SegmentedGraph:
         splitter = SplitAtOps(set(split_ops()), session)
         with splitter:
             session.begin()
-            logits = forward_logits(self.env.model, padded)
-            self.static_logits(logits.shape[0]).copy_(logits)
+            logits = self.runner.forward(padded, bucket)
+            self.out.view(logits.shape[0]).copy_(logits)
             splitter.segments.append(session.end())
         calls = [
             SplitCall(
@@ -121,9 +133,18 @@ class BreakableGraphRunner(BucketRunner):
         ]
         return SegmentedGraph(splitter.segments, calls)
 
-    def replay(self, graph: Graph, padded: ForwardBatch, bucket: int) -> torch.Tensor:
+    def replay(self, graph: SegmentedGraph, padded: ForwardBatch, bucket: int) -> torch.Tensor:
         batch = real_requests(padded)
-        self.env.attn_backend.init_forward_metadata(batch)
+        self.runner.env.attn_backend.init_forward_metadata(batch)
         with forward_context(batch):
             graph.replay()
-        return self.static_logits(padded.batch_size)
+        return self.out.view(padded.batch_size)
+
+    def take_greedy(self) -> torch.Tensor | None:
+        return None  # the sampler takes the argmax of the static logits
+
+    def take_sampled(self, arrays: SamplingArrays) -> torch.Tensor | None:
+        return None  # sampled by the caller, from the logits
+
+    def info(self) -> dict[str, Any]:
+        return {"static_bytes": self.out.nbytes}

@@ -6,7 +6,9 @@ the attention backend keeps its metadata in static buffers (`init_graph_state`) 
 them before every replay (`init_forward_metadata_replay`); the logits are copied, inside the
 graph, into one static output buffer shared by all buckets, so no graph pins pool memory, and
 their argmax is taken there too: an all-greedy step is one replay and one small copy of ids
-to the host (`take_greedy`).
+to the host (`take_greedy`). A step with sampling (temperature, top-k, top-p, min-p, seeds)
+replays a second, small graph of the bucket's own, captured on its first such step: the
+sampler over the static logits, its parameters uploaded into fixed buffers (`take_sampled`).
 
 Prefill: buckets are token counts and the number of requests varies up to the bucket's
 capacity (min(tokens, --max-running-requests)). Only an attention backend that lays a varying
@@ -14,152 +16,132 @@ number of requests out in static buffers can do this (it lists EXTEND in `graph_
 `triton` does); with any other, `--cuda-graph-backend-prefill full` is rejected at startup.
 The same holds for decode (`torch_native` reads host-side lengths, so it is never capturable).
 
-What runs inside the graph is one of:
-
-- the model's eager forward (no tc compiler);
-- with a tc compiler (`--cuda-graph-tc-compiler`, or `tc_compiler` in `--cuda-graph-config`):
-  the traced general graph that `tc_piecewise` uses too, its pieces compiled once for every
-  token count (and cached), attention ops between them; each bucket's capture records all of
-  it, so a new bucket costs a capture, never a compile. Uncaptured batches (beyond the largest
-  bucket, over the memory budget, or on the CPU) run the same compiled graph;
-- with `--enable-torch-compile` (SGLang's way): the forward compiled by Inductor for each
-  bucket up to `--torch-compile-max-bs` (static shapes), on that bucket's first hit.
+What runs inside the graph is the phase's forward, whichever it is (compiled_forward.py): the
+model's eager forward; the traced general graph its pieces compiled once (with a tc compiler),
+so that a new bucket costs a capture, never a compile; or SGLang's per-bucket compile.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from srt.compilation.custom_ops import inductor_trace
-from srt.compilation.dispatch import BucketDispatcher
-from srt.layers.sampler import greedy_ids
+from srt.layers.sampler import SamplingArrays, SamplingBuffers, greedy_ids, sample
 from srt.model_executor.forward_batch import ForwardBatch, forward_context
-from srt.model_executor.graph_config import Backend, GraphConfigError, Phase, PhaseConfig
-from srt.model_executor.graph_memory import CaptureSession, Graph
-from srt.model_executor.graph_runner import (
-    BucketRunner,
-    PhaseRunner,
-    RunnerEnv,
-    compiled_logits,
-    logits_of,
-    phase_mode,
-)
-
-if TYPE_CHECKING:  # imported with the compiler, only when a phase compiles
-    from srt.compilation.piecewise_model import PiecewiseModel
-
-# Every compiled bucket is one Dynamo cache entry of the same code; the default limit (8)
-# would fall back to eager after the 8th bucket.
-RECOMPILE_LIMIT = 1024
+from srt.model_executor.graph_config import GraphConfigError
+from srt.model_executor.graph_memory import Captured, CaptureSession, Graph
+from srt.model_executor.graph_runner import GraphRunner, RunnerEnv, StaticLogits, phase_mode
 
 
-class FullGraphRunner(BucketRunner):
-    backend = Backend.FULL
+class FullCapture:
+    """The `full` capture kind of a phase's `GraphRunner`."""
 
-    def __init__(self, phase: Phase, config: PhaseConfig, env: RunnerEnv) -> None:
+    def __init__(self, runner: GraphRunner) -> None:
+        env = runner.env
         attn = env.attn_backend
-        if env.device.type == "cuda" and phase_mode(phase) not in attn.graph_modes:
+        if env.device.type == "cuda" and phase_mode(runner.phase) not in attn.graph_modes:
             raise GraphConfigError(
-                f"--cuda-graph-backend-{phase.value} full: the {type(attn).__name__} attention "
-                f"backend cannot run {phase.value} inside a CUDA graph; use breakable or "
-                "tc_piecewise, or an attention backend that can (--attention-backend triton)"
+                f"--cuda-graph-backend-{runner.phase.value} full: the {type(attn).__name__} "
+                f"attention backend cannot run {runner.phase.value} inside a CUDA graph; use "
+                "breakable or tc_piecewise, or an attention backend that can "
+                "(--attention-backend triton)"
             )
-        super().__init__(phase, config, env)
-        self.compiled = (
-            torch.compile(logits_of, dynamic=False) if env.args.enable_torch_compile else None
+        self.runner = runner
+        rows = runner.requests_for(runner.config.bs[-1])
+        self.out = StaticLogits(rows)
+        self.last: tuple[int, ForwardBatch] | None = None  # the last replay's bucket and batch
+        # Sampling in a graph of each bucket's own, captured on the bucket's first step with
+        # sampling (None: skipped): the parameters, uploaded into fixed buffers, and the ids.
+        self.params = SamplingBuffers(rows, env.device)
+        self.sampled = torch.zeros(rows, dtype=torch.int64, device=env.device)
+        self.samplers: dict[int, Graph | None] = {}
+
+    def specialise(self, padded: ForwardBatch, bucket: int) -> Captured[Graph] | None:
+        return self.runner.env.pool.capture(
+            f"{self.runner.phase.value} bucket {bucket} (full)",
+            lambda: self.warmup(padded, bucket),
+            lambda session: self.record(padded, bucket, session),
         )
-        # With a tc compiler: the shared compiled model, and a dispatcher that always runs
-        # its general pieces (the capture is of the whole forward, not per piece).
-        self.general: tuple[PiecewiseModel, BucketDispatcher] | None = None
-        if config.tc_compiler is not None:
-            from srt.model_executor.piecewise_runner import shared_piecewise_model
-
-            model = shared_piecewise_model(env)
-            self.general = (model, BucketDispatcher(model.general(config.tc_compiler)))
-
-    def _compiled_general(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Logits through the compiled general graph, when the phase has a tc compiler."""
-        if self.general is None:
-            return None
-        model, dispatcher = self.general
-        return compiled_logits(model, self.env, batch, dispatcher, None)
-
-    def run_uncaptured(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.general is None:
-            return super().run_uncaptured(batch)
-        self.uncaptured_runs += 1
-        batch.attn_backend.init_forward_metadata(batch)
-        logits = self._compiled_general(batch)
-        assert logits is not None, "the phase has a tc compiler"
-        return logits
-
-    def run_general(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.general is None:
-            return super().run_general(batch)
-        # Through a dispatcher of its own: `general_runs` counts serving's forwards only.
-        model, dispatcher = self.general
-        batch.attn_backend.init_forward_metadata(batch)
-        return compiled_logits(model, self.env, batch, BucketDispatcher(dispatcher.general), None)
-
-    def _forward(self, padded: ForwardBatch, bucket: int) -> torch.Tensor:
-        logits = self._compiled_general(padded)
-        if logits is not None:
-            return logits
-        fn, limits, compiled = logits_of, contextlib.nullcontext(), False
-        if self.compiled is not None and bucket <= self.env.args.torch_compile_max_bs:
-            limits = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
-            fn, compiled = self.compiled, True
-        with forward_context(padded), limits, inductor_trace(compiled):
-            return fn(
-                self.env.model,
-                padded.input_ids,
-                padded.positions,
-                padded.extend_start_loc,
-                padded.extend_lens,
-            )
 
     def warmup(self, padded: ForwardBatch, bucket: int) -> None:
-        self.env.attn_backend.init_forward_metadata_capture(padded)
-        logits = self._forward(padded, bucket)
-        self.keep_logits(logits)
+        self.runner.env.attn_backend.init_forward_metadata_capture(padded)
+        logits = self.runner.forward(padded, bucket)
+        self.out.keep(logits)
         greedy_ids(logits)  # whatever JIT-compiles on first use does it outside the capture
 
     def record(self, padded: ForwardBatch, bucket: int, session: CaptureSession) -> Graph:
         session.begin()
-        logits = self._forward(padded, bucket)
-        static = self.static_logits(logits.shape[0])
+        logits = self.runner.forward(padded, bucket)
+        static = self.out.view(logits.shape[0])
         static.copy_(logits)
         # The greedy ids too (the sampler's own argmax), so that an all-greedy step is one
         # replay and one small copy to the host.
-        assert self.greedy is not None, "keep_logits allocates it with the logits"
-        greedy_ids(static, out=self.greedy[: logits.shape[0]])
+        assert self.out.greedy is not None, "keep() allocates it with the logits"
+        greedy_ids(static, out=self.out.greedy[: logits.shape[0]])
         return session.end()
 
     def replay(self, graph: Graph, padded: ForwardBatch, bucket: int) -> torch.Tensor:
-        self.env.attn_backend.init_forward_metadata_replay(padded, bucket)
-        with forward_context(padded):
+        self.runner.env.attn_backend.init_forward_metadata_replay(padded, bucket)
+        with forward_context(padded):  # read by nothing on CUDA; by the CPU's emulated replay
             graph.replay()
-        self.greedy_rows = padded.batch_size
-        return self.static_logits(padded.batch_size)
+        self.last = bucket, padded
+        return self.out.view(padded.batch_size)
+
+    def take_greedy(self) -> torch.Tensor | None:
+        if self.last is None or self.out.greedy is None:
+            return None
+        return self.out.greedy[: self.last[1].batch_size]
+
+    def take_sampled(self, arrays: SamplingArrays) -> torch.Tensor | None:
+        """Top-k/top-p/min-p sampling of the last replay's logits, in the bucket's sampler
+        graph: the same `sample` as the uncaptured path, on fixed buffers, so the same ids."""
+        assert self.last is not None, "only after a replay"
+        bucket, padded = self.last
+        rows = self.runner.requests_for(bucket)
+        if bucket not in self.samplers:
+            self.samplers[bucket] = self._capture_sampler(bucket, padded, arrays)
+        graph = self.samplers[bucket]
+        if graph is None:
+            return None
+        self.params.load(arrays, padded.seq_lens, rows)
+        graph.replay()
+        return self.sampled[: padded.batch_size]
+
+    def _capture_sampler(
+        self, bucket: int, padded: ForwardBatch, arrays: SamplingArrays
+    ) -> Graph | None:
+        rows = self.runner.requests_for(bucket)
+        assert self.out.greedy is not None, "a replay has run, so the warm-up allocated it"
+        logits, greedy = self.out.view(rows), self.out.greedy[:rows]
+        # The upload stays outside the graph: a replay reads the buffers it fills.
+        params = self.params.load(arrays, padded.seq_lens, rows)
+
+        def record(session: CaptureSession) -> Graph:
+            session.begin()
+            self.sampled[:rows].copy_(sample(logits, params, greedy))
+            return session.end()
+
+        captured = self.runner.env.pool.capture(
+            f"{self.runner.phase.value} bucket {bucket} sampler (full)",
+            lambda: sample(logits, params, greedy),
+            record,
+        )
+        return None if captured is None else captured.result
 
     def info(self) -> dict[str, Any]:
-        info = super().info()
-        info["tc_compiler"] = self.config.tc_compiler
-        if self.compiled is not None:
-            info["torch_compile_max_bs"] = self.env.args.torch_compile_max_bs
-        if self.general is not None:
-            info["general_runs"] = self.general[1].general_runs
-        return info
+        buffers = (self.params.floats, self.params.ints, self.sampled)
+        return {
+            "static_bytes": self.out.nbytes + sum(t.numel() * t.element_size() for t in buffers),
+            "samplers_captured": sorted(b for b, g in self.samplers.items() if g is not None),
+        }
 
 
-def init_attention_graph_state(runners: Iterable[PhaseRunner], env: RunnerEnv) -> None:
+def init_attention_graph_state(runners: Iterable[GraphRunner], env: RunnerEnv) -> None:
     """Size the attention backend's static buffers once for every `full` phase (the backend
     is shared by both phases, and re-sizing would move buffers that graphs already read)."""
-    full = [r for r in runners if isinstance(r, FullGraphRunner) and r.static is not None]
+    full = [r for r in runners if isinstance(r.capture, FullCapture)]
     if full:
         env.attn_backend.init_graph_state(
             max(r.requests_for(r.config.bs[-1]) for r in full),

@@ -45,10 +45,6 @@ def default_prefill_ladder() -> list[int]:
     )
 
 
-# The backends that can run the traced, compiled general graph (`tc_compiler`).
-COMPILED_BACKENDS = (Backend.TC_PIECEWISE, Backend.FULL)
-
-
 class GraphConfigError(ValueError):
     pass
 
@@ -58,8 +54,8 @@ class PhaseConfig:
     backend: Backend
     bs: list[int]  # buckets, increasing, all <= max_bs
     max_bs: int
-    # The compiler of the traced general graph the phase runs (tc_piecewise, and full, which
-    # then captures that compiled forward whole); None: the model's eager forward.
+    # The compiler of the traced general graph the phase runs, whatever its capture kind
+    # (tc_piecewise always has one); None: the model's eager forward.
     tc_compiler: str | None = None
 
     def bucket_for(self, n: int) -> int | None:
@@ -106,12 +102,9 @@ def _phase_config(
     bs = [b for b in bs if b <= max_bs]
     if not bs:
         raise GraphConfigError(f"{where('max_bs')}: {max_bs} is below the smallest bucket")
+    # How a phase is compiled and how it is captured are independent: any backend runs the
+    # compiled general graph when given a tc compiler; tc_piecewise always does.
     tc_compiler = raw.get("tc_compiler")
-    if tc_compiler is not None and backend not in COMPILED_BACKENDS:
-        raise GraphConfigError(
-            f"{where('tc_compiler')}: a tc compiler needs backend tc_piecewise or full, "
-            f"not {backend.value}"
-        )
     if backend is Backend.TC_PIECEWISE:
         tc_compiler = tc_compiler or "eager"
     if tc_compiler is not None:

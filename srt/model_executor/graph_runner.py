@@ -1,94 +1,52 @@
-"""Per-phase forward runners: how a phase (prefill, decode) turns a batch into logits.
+"""How a phase (prefill, decode) turns a batch into logits: one runner, two choices.
 
-Every runner has `run(batch) -> logits [B, V]` (valid until the runner's next run),
-`run_general(batch)` (the same logits through the uncaptured, unspecialised path, moving no
-bucket state, counter or manifest entry: the warm-up before ready runs it), `prewarm(buckets)`
-(specialise those buckets now: `upfront` / `manifest` capture) and `info()`.
-`create_phase_runner` picks the class for a phase's backend:
+A phase's `GraphRunner` is its forward (the compile axis, `compiled_forward.make_forward`:
+eager, the compiled general graph, or SGLang's per-bucket compile) and its capture kind (the
+capture axis, a `Capture`: `full`, `breakable` or `tc_piecewise`; none for `disabled`). The two
+are independent: any capture kind records whatever forward the phase computes.
 
-- `disabled`: `EagerRunner`, also the uncaptured path every other backend falls back to;
-- `full`: `cuda_graph_runner.FullGraphRunner`;
-- `breakable`: `breakable_runner.BreakableGraphRunner`;
-- `tc_piecewise`: `srt.model_executor.piecewise_runner.PiecewiseRunner`.
+The runner owns what every capture kind shares, the lazy per-bucket state machine: a batch is
+padded to the smallest bucket that holds it (`StaticBatch`, the one padding rule); the first
+batch of a bucket has it specialised by the capture kind (warm-up and capture; unseen ->
+captured, or skipped when the graph memory budget says no) and recorded in the compile
+cache's manifest; every later batch of that bucket replays; batches beyond the largest bucket,
+of a skipped bucket, or on a device with nothing to capture run the forward uncaptured.
 
-`BucketRunner` is the lazy per-bucket state machine of the capturing backends: the first
-batch of a bucket warms it up and captures it (unseen -> captured, or skipped when the graph
-memory budget says no), every later batch of that bucket is padded and replayed, and batches
-beyond the largest bucket run eagerly.
+`run(batch) -> logits [B, V]` (valid until the next run), `take_greedy()` (their argmax where
+the graph computed it), `run_general(batch)` (the same logits through the uncaptured general
+path, moving no bucket state, counter or manifest entry: the warm-up before ready runs it),
+`prewarm(buckets)` (specialise those now: `upfront` / `manifest` capture) and `info()`.
+
+How decode runs, start to end: `GraphRunner.run` here, `FullCapture.replay` in
+cuda_graph_runner.py, the attention backend's replay hook (srt/layers/attention/).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from srt.batch_layout import ForwardMode
-from srt.model_executor.forward_batch import ForwardBatch, forward_context
+from srt.model_executor.compiled_forward import ModelForward, make_forward
+from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_executor.graph_config import Backend, Phase, PhaseConfig
-from srt.model_executor.graph_memory import Captured, CaptureSession, GraphPool
+from srt.model_executor.graph_memory import Captured, GraphPool
 from srt.model_executor.static_batch import StaticBatch, dummy_batch
 
 if TYPE_CHECKING:
     from srt.compilation.cache import CompileCache
-    from srt.compilation.dispatch import BucketDispatcher
     from srt.compilation.piecewise_model import PiecewiseModel
     from srt.layers.attention.base import AttentionBackend
+    from srt.layers.sampler import SamplingArrays
     from srt.models.llama import LlamaForCausalLM
     from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-def forward_logits(model: LlamaForCausalLM, batch: ForwardBatch) -> torch.Tensor:
-    """Logits [B, V] of each request's last token; device work only (capturable as is)."""
-    return logits_of(
-        model, batch.input_ids, batch.positions, batch.extend_start_loc, batch.extend_lens
-    )
-
-
-def logits_of(
-    model: LlamaForCausalLM,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    extend_start_loc: torch.Tensor,
-    extend_lens: torch.Tensor,
-) -> torch.Tensor:
-    """`forward_logits` on tensors only (what torch.compile traces)."""
-    return last_token_logits(model, model(input_ids, positions), extend_start_loc, extend_lens)
-
-
-def last_token_logits(
-    model: LlamaForCausalLM,
-    hidden: torch.Tensor,
-    extend_start_loc: torch.Tensor,
-    extend_lens: torch.Tensor,
-) -> torch.Tensor:
-    """Logits [B, V] from the hidden states of every token: each request's last one."""
-    return model.compute_logits(hidden[extend_start_loc.long() + extend_lens.long() - 1])
-
-
-def compiled_logits(
-    compiled: PiecewiseModel,
-    env: RunnerEnv,
-    batch: ForwardBatch,
-    dispatcher: BucketDispatcher,
-    bucket: int | None,
-) -> torch.Tensor:
-    """Logits [B, V] of `batch` (its attention metadata set) through the compiled graph, each
-    piece routed to `dispatcher` for `bucket` (None: the general pieces)."""
-    if batch.padded_tokens > compiled.max_tokens:
-        raise ValueError(
-            f"a batch of {batch.padded_tokens} tokens exceeds the {compiled.max_tokens} the "
-            "graph was compiled for (--max-prefill-tokens)"
-        )
-    with forward_context(batch):
-        hidden = compiled(batch.input_ids, batch.positions, dispatcher, bucket)
-    return last_token_logits(env.model, hidden, batch.extend_start_loc, batch.extend_lens)
 
 
 def phase_mode(phase: Phase) -> ForwardMode:
@@ -107,55 +65,39 @@ class RunnerEnv:
     cache: CompileCache | None  # pieces and the bucket manifest; None when all phases are eager
     args: ServerArgs
     configs: dict[Phase, PhaseConfig]  # both phases' (tc_piecewise compiles for both at once)
-    piecewise: PiecewiseModel | None = None  # traced once by the first tc_piecewise runner
+    piecewise: PiecewiseModel | None = None  # traced once, by the first phase that compiles
 
     @property
     def device(self) -> torch.device:
         return self.req_to_token.device
 
 
-class PhaseRunner(Protocol):
-    @property
-    def backend(self) -> str: ...
+class Capture(Protocol):
+    """One capture kind: how a bucket is recorded and replayed around the phase's forward."""
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor: ...
-
-    def take_greedy(self) -> torch.Tensor | None:
-        """The argmax of the logits the last `run` returned, where its graph computed it
-        (then the step needs no argmax launch of its own); None otherwise. Once only."""
+    def specialise(self, padded: ForwardBatch, bucket: int) -> Captured[Any] | None:
+        """Warm up and capture `bucket` with `padded` (a batch loaded into the static buffers,
+        padded to the bucket); None when the capture was skipped (over the memory budget)."""
         ...
 
-    def run_general(self, batch: ForwardBatch) -> torch.Tensor: ...
-
-    def prewarm(self, buckets: list[int]) -> None: ...
-
-    def info(self) -> dict[str, Any]: ...
-
-
-class EagerRunner:
-    """Runs the model forward as plain PyTorch."""
-
-    backend = "disabled"
-
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        self.model = model
-
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] of each request's last token."""
-        batch.attn_backend.init_forward_metadata(batch)
-        with forward_context(batch):
-            return forward_logits(self.model, batch)
-
-    run_general = run  # the eager forward is the general path
+    def replay(self, graph: Any, padded: ForwardBatch, bucket: int) -> torch.Tensor:
+        """Replay what `specialise` captured for the batch loaded in `padded`; logits of its
+        real requests."""
+        ...
 
     def take_greedy(self) -> torch.Tensor | None:
-        return None  # nothing computed it
+        """The argmax of the logits the last replay returned, where its graph computed it
+        (then the step needs no argmax launch of its own); None otherwise."""
+        ...
 
-    def prewarm(self, buckets: list[int]) -> None:
-        """Nothing to specialise: the eager forward serves every shape."""
+    def take_sampled(self, arrays: SamplingArrays) -> torch.Tensor | None:
+        """The last replay's logits sampled with `arrays` in a graph of the bucket's own, or
+        None where the kind does not (or the capture was skipped)."""
+        ...
 
     def info(self) -> dict[str, Any]:
-        return {"backend": self.backend}
+        """What to add to the phase's info; `static_bytes`: buffers it keeps outside the pool."""
+        ...
 
 
 class BucketState(enum.StrEnum):
@@ -172,38 +114,70 @@ class BucketRecord:
     replays: int = 0
 
 
-class BucketRunner(ABC):
-    """Lazy per-bucket capture around a static-buffer forward; subclasses say what a capture
-    records (`record`) and how it replays (`replay`)."""
+class StaticLogits:
+    """The one static output of a phase's captured graphs, [rows, vocab], shared by all its
+    buckets (so no graph pins pool memory for its output), and its argmax's."""
 
-    backend: Backend
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.logits: torch.Tensor | None = None
+        self.greedy: torch.Tensor | None = None
 
-    def __init__(self, phase: Phase, config: PhaseConfig, env: RunnerEnv) -> None:
+    def keep(self, logits: torch.Tensor) -> None:
+        """Allocate the buffers on the first warm-up, outside any capture."""
+        if self.logits is None:
+            self.logits = logits.new_empty((self.rows, logits.shape[-1]))
+            self.greedy = torch.empty(self.rows, dtype=torch.int64, device=logits.device)
+
+    def view(self, rows: int) -> torch.Tensor:
+        assert self.logits is not None, "keep() allocates it in the first warm-up"
+        return self.logits[:rows]
+
+    @property
+    def nbytes(self) -> int:
+        kept = [t for t in (self.logits, self.greedy) if t is not None]
+        return sum(t.numel() * t.element_size() for t in kept)
+
+
+class GraphRunner:
+    """A phase's forward under its capture kind (None: `disabled`), bucket by bucket."""
+
+    def __init__(
+        self,
+        phase: Phase,
+        config: PhaseConfig,
+        env: RunnerEnv,
+        forward: ModelForward,
+        capture: Callable[[GraphRunner], Capture] | None,
+    ) -> None:
         self.phase = phase
         self.mode = phase_mode(phase)
         self.config = config
         self.env = env
-        self.eager = EagerRunner(env.model)
+        self.forward = forward
         self.records = {b: BucketRecord() for b in config.bs}
         self.graphs: dict[int, Any] = {}
         self.uncaptured_runs = 0  # beyond the largest bucket, skipped buckets, or no capturer
-        self.logits: torch.Tensor | None = None  # static output [max requests, vocab]
-        # Its argmax [max requests], where the graph computes it (full), and the rows of it
-        # that the last run's replay filled (None: the last run was no replay).
-        self.greedy: torch.Tensor | None = None
-        self.greedy_rows: int | None = None
-        self.static = (
-            StaticBatch(config.bs[-1], self.requests_for(config.bs[-1]), env.device)
-            if env.pool.capturer is not None
-            else None
-        )
-        if self.static is None:
+        self.replayed = False  # whether the last run was a replay (its graph's argmax is live)
+        self.static: StaticBatch | None = None
+        self.capture: Capture | None = None
+        if capture is None:
+            return
+        if env.pool.capturer is None:
             logger.info(
-                "%s %s: nothing to capture on %s; running the uncaptured (eager) path",
+                "%s %s: nothing to capture on %s; running the uncaptured path",
                 phase.value,
-                self.backend.value,
+                config.backend.value,
                 env.device.type,
             )
+            return
+        largest = config.bs[-1]
+        self.static = StaticBatch(largest, self.requests_for(largest), env.device)
+        self.capture = capture(self)
+
+    @property
+    def backend(self) -> str:
+        return self.config.backend.value
 
     def requests_for(self, bucket: int) -> int:
         """A bucket's request capacity: decode buckets are batch sizes; a prefill bucket of T
@@ -215,10 +189,10 @@ class BucketRunner(ABC):
         return self.config.bucket_for(n)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        self.greedy_rows = None
-        static = self.static
-        bucket = self.bucket_of(batch) if static is not None else None
-        if static is None or bucket is None:
+        """Logits [B, V] of each request's last token."""
+        self.replayed = False
+        bucket = self.bucket_of(batch) if self.capture is not None else None
+        if self.capture is None or self.static is None or bucket is None:
             return self.run_uncaptured(batch)
         record = self.records[bucket]
         if record.state is BucketState.UNSEEN:
@@ -228,18 +202,35 @@ class BucketRunner(ABC):
         if record.state is BucketState.SKIPPED:
             return self.run_uncaptured(batch)
         record.replays += 1
-        padded = static.load(batch, bucket, self.requests_for(bucket))
-        return self.replay(self.graphs[bucket], padded, bucket)
+        padded = self.static.load(batch, bucket, self.requests_for(bucket))
+        logits = self.capture.replay(self.graphs[bucket], padded, bucket)
+        self.replayed = True
+        return logits
 
     def run_uncaptured(self, batch: ForwardBatch) -> torch.Tensor:
-        self.uncaptured_runs += 1
-        return self.run_general(batch)
+        if self.config.backend is not Backend.DISABLED:
+            self.uncaptured_runs += 1
+        batch.attn_backend.init_forward_metadata(batch)
+        return self.forward(batch, None)
 
     def run_general(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.eager.run(batch)
+        self.replayed = False
+        batch.attn_backend.init_forward_metadata(batch)
+        return self.forward.general(batch)
+
+    def take_greedy(self) -> torch.Tensor | None:
+        """The argmax of the last run's logits where its replay computed it; None otherwise."""
+        return self.capture.take_greedy() if self.replayed and self.capture is not None else None
+
+    def take_sampled(self, arrays: SamplingArrays) -> torch.Tensor | None:
+        """The last run's logits sampled with `arrays` inside a graph, where its capture kind
+        does that for the replayed bucket; None otherwise (the caller samples them)."""
+        if not self.replayed or self.capture is None:
+            return None
+        return self.capture.take_sampled(arrays)
 
     def prewarm(self, buckets: list[int]) -> None:
-        if self.static is None:
+        if self.capture is None:
             return
         # Largest first: the smaller captures then reuse its pool memory.
         for bucket in sorted(set(buckets) & set(self.records), reverse=True):
@@ -249,13 +240,9 @@ class BucketRunner(ABC):
 
     def specialise(self, bucket: int, batch: ForwardBatch) -> None:
         """Warm up and capture `bucket` with `batch` (a live batch of that bucket, or a dummy)."""
-        assert self.static is not None, "only runners with a capturer specialise"
+        assert self.capture is not None and self.static is not None, "only capturing runners"
         padded = self.static.load(batch, bucket, self.requests_for(bucket))
-        captured: Captured | None = self.env.pool.capture(
-            f"{self.phase.value} bucket {bucket} ({self.backend.value})",
-            lambda: self.warmup(padded, bucket),
-            lambda session: self.record(padded, bucket, session),
-        )
+        captured = self.capture.specialise(padded, bucket)
         record = self.records[bucket]
         if captured is None:
             record.state = BucketState.SKIPPED
@@ -265,43 +252,19 @@ class BucketRunner(ABC):
         record.capture_ms = round(captured.ms, 3)
         record.pool_growth = captured.pool_growth
 
-    def keep_logits(self, logits: torch.Tensor) -> None:
-        """Allocate the static logits buffer (and its argmax's) on the first warm-up,
-        outside any capture."""
-        if self.logits is None:
-            rows = self.requests_for(self.config.bs[-1])
-            self.logits = logits.new_empty((rows, logits.shape[-1]))
-            self.greedy = torch.empty(rows, dtype=torch.int64, device=logits.device)
-
-    def take_greedy(self) -> torch.Tensor | None:
-        rows, self.greedy_rows = self.greedy_rows, None
-        if rows is None or self.greedy is None:
-            return None
-        return self.greedy[:rows]
-
-    def static_logits(self, rows: int) -> torch.Tensor:
-        """The first `rows` of the static logits buffer (after the first warm-up)."""
-        assert self.logits is not None, "keep_logits allocates it in the first warm-up"
-        return self.logits[:rows]
-
-    @abstractmethod
-    def warmup(self, padded: ForwardBatch, bucket: int) -> None:
-        """Run the bucket's forward eagerly on the static buffers (before its capture)."""
-
-    @abstractmethod
-    def record(self, padded: ForwardBatch, bucket: int, session: CaptureSession) -> Any:
-        """Capture the bucket's forward through `session`; returns what `replay` takes."""
-
-    @abstractmethod
-    def replay(self, graph: Any, padded: ForwardBatch, bucket: int) -> torch.Tensor:
-        """Replay for the live batch already loaded into the static buffers (`padded`);
-        logits of its real requests."""
-
     def info(self) -> dict[str, Any]:
+        if self.config.backend is Backend.DISABLED:
+            return {"backend": self.backend, **self.forward.info()}
         records = self.records.items()
+        capture = self.capture.info() if self.capture is not None else {}
+        # the static inputs and outputs, outside the pool
+        static_bytes = (self.static.nbytes if self.static is not None else 0) + capture.pop(
+            "static_bytes", 0
+        )
         return {
-            "backend": self.backend.value,
+            "backend": self.backend,
             "max_bs": self.config.max_bs,
+            **self.forward.info(),
             "buckets": [
                 {
                     "bucket": b,
@@ -318,27 +281,30 @@ class BucketRunner(ABC):
             "replays": sum(r.replays for _, r in records),
             "uncaptured_runs": self.uncaptured_runs,
             "pool_bytes": self.env.pool.bytes,
-            # the static inputs and output, outside the pool
-            "static_bytes": (self.static.nbytes if self.static is not None else 0)
-            + (self.logits.numel() * self.logits.element_size() if self.logits is not None else 0)
-            + (self.greedy.numel() * self.greedy.element_size() if self.greedy is not None else 0),
+            "static_bytes": static_bytes,
+            **capture,
         }
 
 
-def create_phase_runner(phase: Phase, config: PhaseConfig, env: RunnerEnv) -> PhaseRunner:
-    """The runner of `phase` for its configured backend."""
+def create_phase_runner(phase: Phase, config: PhaseConfig, env: RunnerEnv) -> GraphRunner:
+    """The runner of `phase`: its forward (compile axis) under its backend's capture kind."""
     if config.backend is Backend.DISABLED:
-        return EagerRunner(env.model)
+        return GraphRunner(phase, config, env, make_forward(phase, config, env), None)
     if config.backend is Backend.FULL:
-        from srt.model_executor.cuda_graph_runner import FullGraphRunner
+        from srt.model_executor.cuda_graph_runner import FullCapture
 
-        return FullGraphRunner(phase, config, env)
+        return GraphRunner(phase, config, env, make_forward(phase, config, env), FullCapture)
     if config.backend is Backend.BREAKABLE:
-        from srt.model_executor.breakable_runner import BreakableGraphRunner
+        from srt.model_executor.breakable_runner import BreakableCapture
 
-        return BreakableGraphRunner(phase, config, env)
+        return GraphRunner(phase, config, env, make_forward(phase, config, env), BreakableCapture)
     if config.backend is Backend.TC_PIECEWISE:
-        from srt.model_executor.piecewise_runner import PiecewiseRunner
+        from srt.model_executor.piece_capture import PieceGraphs
+        from srt.model_executor.piecewise_runner import PiecewiseCapture
 
-        return PiecewiseRunner(phase, config, env)
+        pieces = PieceGraphs(env.pool, env.model, phase)
+        forward = make_forward(phase, config, env, pieces)
+        return GraphRunner(
+            phase, config, env, forward, lambda runner: PiecewiseCapture(runner, pieces)
+        )
     raise ValueError(f"no runner for backend {config.backend.value}")

@@ -34,14 +34,19 @@ from srt.distributed import (
 )
 from srt.layers.attention.base import attention_backend_class
 from srt.layers.custom_op import apply_custom_ops, custom_ops_info, describe_custom_ops
-from srt.layers.sampler import SamplingBatch, logprobs_of, sample
+from srt.layers.sampler import SamplingArrays, SamplingBuffers, logprobs_of, sample
 from srt.managers.io_struct import BatchPlan, BatchResult
 from srt.model_config import ModelConfig
 from srt.model_executor.cuda_graph_runner import init_attention_graph_state
 from srt.model_executor.forward_batch import ForwardBatch, forward_batch_from_host, to_device_packed
 from srt.model_executor.graph_config import Backend, resolve_graph_config
 from srt.model_executor.graph_memory import GraphPool
-from srt.model_executor.graph_runner import RunnerEnv, create_phase_runner, phase_mode
+from srt.model_executor.graph_runner import (
+    GraphRunner,
+    RunnerEnv,
+    create_phase_runner,
+    phase_mode,
+)
 from srt.model_executor.jit_misses import JitMissLog
 from srt.model_executor.kv_cache import KVCache, kv_bytes_per_token
 from srt.model_executor.model_loader import load_model
@@ -176,7 +181,7 @@ class ModelRunner:
             for phase, c in self.graph_configs.items()
         }
         init_attention_graph_state(self.phase_runners.values(), env)
-        self.piecewise = env.piecewise  # the tc_piecewise phases' compiled model, if any
+        self.piecewise = env.piecewise  # the compiled phases' traced model, if any
         logger.info("split ops: %s", ", ".join(split_ops()))
         # The last launched step's sampled ids, which the next decode plan may take its
         # inputs from (overlap scheduling), and that step's number.
@@ -287,7 +292,10 @@ class ModelRunner:
     def _open_compile_cache(self) -> CompileCache | None:
         """The compile cache entry of this setup (pieces, capture manifest), when any phase
         compiles or captures."""
-        if all(c.backend is Backend.DISABLED for c in self.graph_configs.values()):
+        if all(
+            c.backend is Backend.DISABLED and c.tc_compiler is None
+            for c in self.graph_configs.values()
+        ):
             return None
         args = self.args
         factors = collect_factors(
@@ -336,28 +344,32 @@ class ModelRunner:
         batch = self.make_forward_batch(plan)
         self.jit_misses.step = batch.mode, batch.batch_size, batch.num_tokens
         logits = self.forward_logits(batch)
-        return self.sample(plan, batch, logits, self.phase_runners[batch.mode].take_greedy())
+        return self.sample(plan, batch, logits, self.phase_runners[batch.mode])
 
     def sample(
         self,
         plan: BatchPlan,
         batch: ForwardBatch,
         logits: torch.Tensor,
-        greedy: torch.Tensor | None = None,
+        runner: GraphRunner | None = None,
     ) -> PendingResult:
         """Each request's next token from `logits` [B, V], with the logprobs the plan asks for,
-        on its way to the host; the ids stay on the device for the next plan too. `greedy`:
-        the argmax of `logits`, where the captured graph computed it already."""
-        sampling = None  # all greedy: no parameters to upload (two copies a step)
-        if plan.temperatures.any():
-            temperatures, top_ps, min_ps = to_device_packed(
-                [plan.temperatures, plan.top_ps, plan.min_ps], self.device, torch.float32
+        on its way to the host; the ids stay on the device for the next plan too. `runner`:
+        the phase runner whose `run` returned the logits, where its graph may have taken their
+        argmax already, or may sample them in a graph of its own."""
+        greedy = runner.take_greedy() if runner is not None else None
+        if not plan.temperatures.any():  # all greedy: no parameters to upload
+            next_ids = greedy if greedy is not None else sample(logits, None)
+        else:
+            arrays = SamplingArrays(
+                plan.temperatures, plan.top_ps, plan.top_ks, plan.min_ps, plan.seeds
             )
-            top_ks, seeds = to_device_packed([plan.top_ks, plan.seeds], self.device)
-            sampling = SamplingBatch(
-                temperatures, top_ps, top_ks, min_ps, seeds, positions=batch.seq_lens.long()
-            )
-        next_ids = sample(logits, sampling, greedy)
+            in_graph = runner.take_sampled(arrays) if runner is not None else None
+            if in_graph is not None:
+                next_ids = in_graph
+            else:
+                params = SamplingBuffers(len(arrays.seeds), self.device)
+                next_ids = sample(logits, params.load(arrays, batch.seq_lens), greedy)
         self.last_sampled, self.last_step = next_ids, plan.step
         outputs = [next_ids]
         if plan.return_logprob:
