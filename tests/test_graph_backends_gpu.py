@@ -57,8 +57,7 @@ PARAMS = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in
 
 
 def engine(path: Path, cache: Path, **kwargs: Any) -> Engine:
-    # No prefix caching: a second round repeats the first round's batches exactly (so that
-    # tc_piecewise, which captures on a bucket's second hit, captures the prefill bucket too).
+    # No prefix caching: a second round repeats the first round's batches exactly.
     return Engine(
         model_path=str(path),
         device="cuda",
@@ -312,3 +311,27 @@ def test_a_capture_cut_short_by_an_error_leaves_the_device_usable() -> None:
         x.mul_(2)
         raise ValueError("cut short")
     assert (x + 1).sum().item() == 16.0
+
+
+def test_sampling_inside_full_graphs_draws_the_uncaptured_samples(
+    llama8: Path, tmp_path: Path
+) -> None:
+    """Seeded top-k/top-p sampling in each bucket's sampler graph: the tokens of the
+    uncaptured sampler (the same `sample` on the same logits)."""
+    params = [
+        {"max_new_tokens": n, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 7 + i}
+        | {"ignore_eos": True}
+        for i, n in enumerate(NEW_TOKENS)
+    ]
+    out = {}
+    for backend in ("disabled", "full"):
+        eng = engine(llama8, tmp_path / backend, cuda_graph_backend_decode=backend)
+        try:
+            results = eng.generate(input_ids=prompts(), sampling_params=params)
+            out[backend] = [r["output_ids"] for r in results]
+            if backend == "full":
+                decode = eng.get_server_info()["graphs"]["decode"]
+                assert decode["samplers_captured"] == decode["captured"] != []
+        finally:
+            close(eng)
+    assert out["full"] == out["disabled"]
