@@ -44,6 +44,8 @@ def first_request_misses(path: Path, tmp_path: Path, **kwargs: Any) -> list[dict
         device="cuda",
         attention_backend="triton",
         compile_cache_dir=str(tmp_path / "cache"),
+        # A small KV cache: other GPU tests of the session may still hold device memory.
+        max_total_tokens=4096,
         **kwargs,
     ) as eng:
         eng.generate(input_ids=PROMPT, sampling_params=GREEDY)
@@ -72,6 +74,8 @@ def test_after_warmup_batches_of_any_shape_compile_no_triton_kernel(
         device="cuda",
         attention_backend="triton",
         compile_cache_dir=str(tmp_path / "cache"),
+        # A small KV cache: other GPU tests of the session may still hold device memory.
+        max_total_tokens=4096,
         cuda_graph_backend_decode=graphs,
     ) as eng:
         for n in range(1, len(prompts) + 1):
