@@ -194,6 +194,109 @@ def server_model(server: ServerProcess) -> Path:
     return Path(server.info()["model"]["path"])
 
 
+def test_serving_from_two_client_processes(server: ServerProcess, tmp_path: Path) -> None:
+    out = tmp_path / "serving.json"
+    serving.main(
+        [
+            "--base-url",
+            server.url,
+            "--num-prompts",
+            "6",
+            "--max-concurrency",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "5",
+            "--client-processes",
+            "2",
+            "--warmup-requests",
+            "0",
+            "--output-file",
+            str(out),
+        ]
+    )
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["num_requests"] == run["completed"] == 6 and run["errors"] == 0
+    assert run["total_output_tokens"] == 6 * 5 and run["total_input_tokens"] == 6 * 8
+    assert run["client_processes"] == 2
+    assert 0 < run["client_cpu_busy_max"] <= run["client_cpu_busy"]
+
+
+def test_client_processes_return_records_in_order(server: ServerProcess) -> None:
+    # Prompt lengths tell the requests apart; a Poisson rate split across the processes.
+    specs = [RequestSpec(list(range(1, 2 + i)), 3 + i % 2) for i in range(7)]
+    load = serving.client_load(
+        server.url,
+        specs,
+        2,
+        max_concurrency=None,
+        request_rate=50.0,
+        seed=0,
+        timeout_s=60.0,
+        max_duration_s=math.inf,
+        headers=None,
+    )
+    assert [(r.input_len, r.output_len) for r in load.records] == [
+        (len(s.input_ids), s.output_len) for s in specs
+    ]
+    assert all(r.ok and r.output_tokens == r.output_len for r in load.records)
+    assert len(load.cpu_s) == 2 and all(cpu > 0 for cpu in load.cpu_s)
+    figures = load.figures()
+    assert figures["client_processes"] == 2 and figures["client_cpu_busy"] > 0
+
+
+def test_a_failing_client_process_fails_the_run() -> None:
+    with pytest.raises(RuntimeError, match="client process 0 failed:(.|\n)*TypeError"):
+        serving.client_load(
+            "http://127.0.0.1:1",
+            [RequestSpec([1], 1)] * 2,
+            2,
+            max_concurrency=2,
+            request_rate=math.inf,
+            seed=0,
+            timeout_s=1.0,
+            max_duration_s=math.inf,
+            headers={"X-Bad": 1},  # the client refuses it
+        )
+
+
+@pytest.mark.parametrize(
+    ("requested", "max_concurrency", "num_requests", "cpus", "expected"),
+    [
+        (None, 16, 100, 16, 1),  # up to 16 streams: this process
+        (None, 17, 100, 16, 2),
+        (None, 64, 1000, 16, 4),
+        (None, 128, 1000, 16, 8),
+        (None, 256, 1000, 16, 8),  # at most half the CPUs
+        (None, 64, 1000, 2, 1),
+        (None, 64, 1000, None, 1),  # CPU count unknown
+        (None, None, 100, 16, 7),  # no cap: all 100 may be in flight
+        (None, 64, 10, 16, 1),  # only 10 requests
+        (4, 64, 100, 2, 4),  # asked for: the CPUs do not cap it
+        (4, 3, 100, 16, 3),  # but the requests in flight do
+    ],
+)
+def test_client_processes_auto_rule(
+    requested: int | None,
+    max_concurrency: int | None,
+    num_requests: int,
+    cpus: int | None,
+    expected: int,
+) -> None:
+    assert (
+        serving.client_processes_for_run(requested, max_concurrency, num_requests, cpus) == expected
+    )
+
+
+def test_serving_refuses_zero_client_processes(capsys) -> None:
+    with pytest.raises(SystemExit):
+        serving.main(["--base-url", "http://x", "--client-processes", "0"])
+    assert "--client-processes: must be a positive integer or 'auto', not '0'" in (
+        capsys.readouterr().err
+    )
+
+
 def test_serving_metrics_from_known_times() -> None:
     r = RequestRecord(
         input_len=4,

@@ -12,6 +12,17 @@ server), `--input-len` long, or uniform in [ratio x len, len] with `--range-rati
 request asks for exactly `--output-len` tokens (`ignore_eos`), and a request that gets any
 other count is counted as an error. Several `--max-concurrency` values run one after another
 on the same server. A JSON file and a table, printed last.
+
+One asyncio process saturates a CPU at some tens of streams, and then the load measures the
+client rather than the server. So a run's requests are split across `--client-processes`
+spawned client processes (request i goes to process i mod N; each gets an even share of the
+concurrency cap, or of the request rate with a seed of its own) and their records merged back
+in order. The default, `auto`, takes one process per 16 requests that can be in flight (the
+cap, or every request of a run without one), at most half the CPUs (the server needs the
+rest), so runs of up to 16 streams stay in this process. Each run records the processes it
+used (`client_processes`), their CPU seconds summed per second of the run
+(`client_cpu_busy`) and the busiest one's (`client_cpu_busy_max`: near 1, the client was
+the bottleneck).
 """
 
 from __future__ import annotations
@@ -20,10 +31,16 @@ import argparse
 import asyncio
 import dataclasses
 import math
+import multiprocessing as mp
+import os
 import random
+import signal
 import tempfile
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing import connection
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +60,9 @@ class RequestSpec:
 
 @dataclasses.dataclass
 class RequestRecord:
-    """What one request saw. Times are `time.perf_counter()` seconds."""
+    """What one request saw. Times are `time.perf_counter()` seconds: on Linux the
+    system-wide CLOCK_MONOTONIC, so the records of several client processes of one host
+    compare (and merge into one run's figures) as they are."""
 
     input_len: int
     output_len: int  # asked for
@@ -156,10 +175,12 @@ async def run_load(
     max_duration_s: float = math.inf,
     headers: dict[str, str] | None = None,
     progress: bool = True,
+    on_request_done: Callable[[], None] | None = None,
 ) -> list[RequestRecord]:
     """Send `specs` (Poisson arrivals at `request_rate` per second; at most `max_concurrency`
     in flight) and return one record per request, in order. Requests still running after
-    `max_duration_s` are cancelled and recorded as errors; each has `timeout_s`."""
+    `max_duration_s` are cancelled and recorded as errors; each has `timeout_s`.
+    `on_request_done` is called as each request ends."""
     rng = random.Random(seed)
     limit = max_concurrency or len(specs) or 1
     gate = asyncio.Semaphore(limit)
@@ -171,6 +192,8 @@ async def run_load(
         async with gate:
             await send_request(client, base_url, spec, record)
         bar.update()
+        if on_request_done is not None:
+            on_request_done()
 
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as client:
         tasks = []
@@ -189,6 +212,200 @@ async def run_load(
         ):
             record.error = record.error or f"cancelled after --max-duration {max_duration_s} s"
     return records
+
+
+# Streams one client process is given before `auto` adds another: one asyncio process was on
+# a CPU 89-97% of a run at 64 and 128 streams, and kept only 5-11 of them in flight.
+STREAMS_PER_CLIENT_PROCESS = 16
+
+
+def client_processes_for_run(
+    requested: int | None, max_concurrency: int | None, num_requests: int, cpu_count: int | None
+) -> int:
+    """The client processes a run uses: `requested` (None: `auto`, one per 16 requests that
+    can be in flight, at most half of `cpu_count` as the server on the same host needs the
+    rest), never more than the requests that can be in flight, each process driving one at
+    least. Without a cap every request may be in flight: all of them at once, or at a rate
+    whose overlap depends on the server's latency, which is unknown beforehand, so `auto`
+    sizes such a run for the worst case (a process too many only idles)."""
+    in_flight = min(max_concurrency or num_requests, num_requests)
+    if requested is None:
+        most = max(1, (cpu_count or 1) // 2)
+        requested = min(math.ceil(in_flight / STREAMS_PER_CLIENT_PROCESS), most)
+    return max(1, min(requested, in_flight))
+
+
+def split_evenly(total: int, parts: int) -> list[int]:
+    """`total` as `parts` counts that differ by one at most, the larger first."""
+    return [total // parts + (k < total % parts) for k in range(parts)]
+
+
+@dataclasses.dataclass
+class ClientLoad:
+    """A run's records, in the order of its specs, and what the load cost the client: the CPU
+    seconds of each client process over the run, and the run's wall seconds."""
+
+    records: list[RequestRecord]
+    cpu_s: list[float]
+    wall_s: float
+
+    def figures(self) -> dict[str, Any]:
+        """The client's CPU share of the run, all its processes together and the busiest one
+        (the one that saturates first: near 1, the load measured the client)."""
+        return {
+            "client_processes": len(self.cpu_s),
+            "client_cpu_busy": round(sum(self.cpu_s) / self.wall_s, 3),
+            "client_cpu_busy_max": round(max(self.cpu_s) / self.wall_s, 3),
+        }
+
+
+def client_load(
+    base_url: str,
+    specs: Sequence[RequestSpec],
+    processes: int,
+    *,
+    max_concurrency: int | None,
+    request_rate: float,
+    seed: int,
+    timeout_s: float,
+    max_duration_s: float,
+    headers: dict[str, str] | None,
+) -> ClientLoad:
+    """`run_load` of `specs`, in this process (`processes` 1) or split across `processes`
+    spawned client processes: request i goes to process i % processes, which gets its share
+    of `max_concurrency` (even, one at least) and of `request_rate` with a seed of its own
+    (N Poisson streams at rate/N make one at the rate). A client process that fails or dies
+    fails the run."""
+    common: dict[str, Any] = {
+        "timeout_s": timeout_s,
+        "max_duration_s": max_duration_s,
+        "headers": headers,
+    }
+    if processes == 1:
+        cpu, start = time.process_time(), time.perf_counter()
+        records = asyncio.run(
+            run_load(
+                base_url,
+                specs,
+                max_concurrency=max_concurrency,
+                request_rate=request_rate,
+                seed=seed,
+                **common,
+            )
+        )
+        return ClientLoad(records, [time.process_time() - cpu], time.perf_counter() - start)
+    seeds = random.Random(seed)
+    caps = split_evenly(max_concurrency, processes) if max_concurrency else [None] * processes
+    shares = [
+        dict(
+            common,
+            max_concurrency=cap,
+            request_rate=request_rate / processes,
+            seed=seeds.getrandbits(64),
+        )
+        for cap in caps
+    ]
+    return load_from_processes(base_url, specs, shares)
+
+
+def load_from_processes(
+    base_url: str, specs: Sequence[RequestSpec], shares: Sequence[dict[str, Any]]
+) -> ClientLoad:
+    """`run_load` in a spawned client process per share (`run_load`'s settings), request i in
+    process i % len(shares); the load starts once every process is up."""
+    processes = len(shares)
+    ctx = mp.get_context("spawn")
+    procs: list[mp.process.BaseProcess] = []
+    conns: list[Connection] = []
+    try:
+        for k, share in enumerate(shares):
+            ours, theirs = ctx.Pipe()
+            child = ctx.Process(
+                target=client_process,
+                args=(theirs, base_url, specs[k::processes], share),
+                name=f"bench-client-{k}",
+                daemon=True,
+            )
+            child.start()
+            theirs.close()  # the child holds the only other end: EOF means it is gone
+            procs.append(child)
+            conns.append(ours)
+        for _ in receive(procs, conns, until="ready"):  # so that they start together
+            pass
+        start = time.perf_counter()
+        for conn in conns:
+            conn.send("go")
+        results: dict[int, tuple[list[RequestRecord], float]] = {}
+        with tqdm(total=len(specs), desc="requests", unit="req") as bar:
+            for k, message in receive(procs, conns, until="records"):
+                if message[0] == "records":
+                    results[k] = message[1], message[2]
+                else:
+                    bar.update()
+        wall_s = time.perf_counter() - start
+        for proc in procs:
+            proc.join()
+    finally:
+        for proc in procs:
+            if proc.is_alive():  # the run failed, or was interrupted
+                proc.terminate()
+                proc.join()
+        for conn in conns:
+            conn.close()
+    # Back in the specs' order; their times compare as they are (one host's perf_counter).
+    records = [results[i % processes][0][i // processes] for i in range(len(specs))]
+    return ClientLoad(records, [results[k][1] for k in range(processes)], wall_s)
+
+
+def receive(
+    procs: Sequence[mp.process.BaseProcess], conns: Sequence[Connection], until: str
+) -> Iterator[tuple[int, tuple[Any, ...]]]:
+    """The client processes' messages as they come, with the sender's index, until each has
+    sent `until`; an error one sent, or one's end of its pipe closed early, raises."""
+    waiting = dict(enumerate(conns))
+    while waiting:
+        for readable in connection.wait(list(waiting.values())):
+            k = conns.index(readable)
+            try:
+                message: tuple[Any, ...] = conns[k].recv()
+            except EOFError:
+                procs[k].join()
+                raise RuntimeError(
+                    f"client process {k} died (exit code {procs[k].exitcode})"
+                ) from None
+            if message[0] == "error":
+                raise RuntimeError(f"client process {k} failed:\n{message[1]}")
+            if message[0] == until:
+                del waiting[k]
+            yield k, message
+
+
+def client_process(
+    conn: Connection, base_url: str, specs: Sequence[RequestSpec], load: dict[str, Any]
+) -> None:
+    """Body of a spawned client process: report ready, wait for the go, run its share of the
+    load (`load`: `run_load`'s settings), report each request's end, then send its records
+    and the CPU seconds the load took it (or the error that stopped it)."""
+    # Ctrl-C reaches the whole process group; the bench stops its client processes itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        conn.send(("ready",))
+        conn.recv()
+        cpu = time.process_time()
+        records = asyncio.run(
+            run_load(
+                base_url,
+                specs,
+                progress=False,
+                on_request_done=lambda: conn.send(("request_done",)),
+                **load,
+            )
+        )
+        conn.send(("records", records, time.process_time() - cpu))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
 
 
 def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
@@ -282,7 +499,9 @@ TABLE = [
     ("CPU sched", "cpu_scheduler"),
     ("CPU runner", "cpu_runner"),
     ("CPU tok", "cpu_tokenizer"),
-    ("CPU client", "client_cpu_busy"),
+    ("CPU client", "client_cpu_busy"),  # all its processes together
+    ("client procs", "client_processes"),
+    ("CPU client max", "client_cpu_busy_max"),  # its busiest process
 ]
 
 
@@ -321,19 +540,20 @@ def bench(
     runs = []
     for concurrency, num in zip(ns.max_concurrency, counts, strict=True):
         specs = random_requests(num, ns.input_len, ns.output_len, vocab, ns.range_ratio, ns.seed)
+        processes = client_processes_for_run(
+            ns.client_processes, concurrency or None, num, os.cpu_count()
+        )
         before = server_info(base_url, headers)
-        client_cpu, client_wall = time.process_time(), time.perf_counter()
-        records = asyncio.run(
-            run_load(
-                base_url,
-                specs,
-                max_concurrency=concurrency or None,
-                request_rate=ns.request_rate,
-                seed=ns.seed,
-                timeout_s=ns.timeout,
-                max_duration_s=ns.max_duration,
-                headers=headers,
-            )
+        load = client_load(
+            base_url,
+            specs,
+            processes,
+            max_concurrency=concurrency or None,
+            request_rate=ns.request_rate,
+            seed=ns.seed,
+            timeout_s=ns.timeout,
+            max_duration_s=ns.max_duration,
+            headers=headers,
         )
         rate = ns.request_rate if math.isfinite(ns.request_rate) else None  # None: at once
         runs.append(
@@ -343,15 +563,22 @@ def bench(
                 "input_len": ns.input_len,
                 "output_len": ns.output_len,
                 "range_ratio": ns.range_ratio,
-                **metrics(records),
+                **metrics(load.records),
                 **after_run(base_url, before, headers),
-                # This client's own share: a saturated client under-reports the server.
-                "client_cpu_busy": round(
-                    (time.process_time() - client_cpu) / (time.perf_counter() - client_wall), 3
-                ),
+                # The client's own share: a saturated client under-reports the server.
+                **load.figures(),
             }
         )
     return runs
+
+
+def client_processes_arg(text: str) -> int | None:
+    """`--client-processes`: a count of one or more, or `auto` (None)."""
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'auto', not {text!r}")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -393,6 +620,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--warmup-requests", type=int, default=1, help="Untimed requests before the first run."
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=client_processes_arg,
+        default="auto",
+        help="Client processes each run's requests are split across (default auto: one per "
+        f"{STREAMS_PER_CLIENT_PROCESS} requests that can be in flight, the cap or every "
+        "request without one, at most half the CPUs; never more than can be in flight).",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="Seconds per request.")
