@@ -52,6 +52,13 @@ def logits_of(
     return last_token_logits(model, model(input_ids, positions), extend_start_loc, extend_lens)
 
 
+def forward_inputs(
+    batch: ForwardBatch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tensors `logits_of` takes after the model, from a batch."""
+    return batch.input_ids, batch.positions, batch.extend_start_loc, batch.extend_lens
+
+
 def last_token_logits(
     model: LlamaForCausalLM,
     hidden: torch.Tensor,
@@ -76,13 +83,7 @@ class EagerForward:
 
     def __call__(self, batch: ForwardBatch, bucket: int | None) -> torch.Tensor:
         with forward_context(batch):
-            return logits_of(
-                self.model,
-                batch.input_ids,
-                batch.positions,
-                batch.extend_start_loc,
-                batch.extend_lens,
-            )
+            return logits_of(self.model, *forward_inputs(batch))
 
     def general(self, batch: ForwardBatch) -> torch.Tensor:
         return self(batch, None)
@@ -140,13 +141,7 @@ class PerBucketCompiledForward:
             torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
             inductor_trace(True),
         ):
-            return self.compiled(
-                self.model,
-                batch.input_ids,
-                batch.positions,
-                batch.extend_start_loc,
-                batch.extend_lens,
-            )
+            return self.compiled(self.model, *forward_inputs(batch))
 
     def general(self, batch: ForwardBatch) -> torch.Tensor:
         return self.eager(batch, None)
