@@ -13,12 +13,15 @@ cache's manifest; every later batch of that bucket replays; batches beyond the l
 of a skipped bucket, or on a device with nothing to capture run the forward uncaptured.
 
 `run(batch) -> logits [B, V]` (valid until the next run), `take_greedy()` (their argmax where
-the graph computed it), `run_general(batch)` (the same logits through the uncaptured general
+the graph computed it), `take_sampled(arrays)` (them sampled in a graph, where the capture kind
+does that), `run_general(batch)` (the same logits through the uncaptured general
 path, moving no bucket state, counter or manifest entry: the warm-up before ready runs it),
 `prewarm(buckets)` (specialise those now: `upfront` / `manifest` capture) and `info()`.
 
-How decode runs, start to end: `GraphRunner.run` here, `FullCapture.replay` in
-cuda_graph_runner.py, the attention backend's replay hook (srt/layers/attention/).
+How decode runs, start to end: `ModelRunner.launch` (model_runner.py) builds the batch from the
+scheduler's plan, `GraphRunner.run` here pads it into the bucket's static buffers,
+`FullCapture.replay` (cuda_graph_runner.py) refills the attention backend's static metadata and
+replays the graph, and `ModelRunner.sample` takes the graph's argmax or replays its sampler.
 """
 
 from __future__ import annotations
