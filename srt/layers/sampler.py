@@ -56,8 +56,10 @@ class SamplingBuffers:
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.capacity = capacity
-        self.floats = torch.zeros(3 * capacity, dtype=torch.float32, device=device)
-        self.ints = torch.zeros(2 * capacity, dtype=torch.int64, device=device)
+        # Uninitialised: `load` writes every row it hands out (a memset would be two more
+        # launches on every eager step with sampling).
+        self.floats = torch.empty(3 * capacity, dtype=torch.float32, device=device)
+        self.ints = torch.empty(2 * capacity, dtype=torch.int64, device=device)
 
     def load(
         self, arrays: SamplingArrays, positions: torch.Tensor, rows: int | None = None

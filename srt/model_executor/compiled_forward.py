@@ -26,9 +26,9 @@ import torch
 
 from srt.batch_layout import ForwardMode
 from srt.compilation.custom_ops import inductor_trace
-from srt.compilation.dispatch import BucketDispatcher, Specializer
+from srt.compilation.dispatch import BucketDispatcher, Specializer, run_general
 from srt.model_executor.forward_batch import ForwardBatch, forward_context
-from srt.model_executor.graph_config import Phase, PhaseConfig
+from srt.model_executor.graph_config import Backend, PhaseConfig
 from srt.model_executor.static_batch import dummy_batch
 
 if TYPE_CHECKING:  # the compiler is imported only when a phase compiles
@@ -99,9 +99,7 @@ class GeneralGraphForward:
         self.model = shared_piecewise_model(env)
         general = self.model.general(compiler)
         self.per_piece = per_piece is not None
-        self.dispatcher = (
-            BucketDispatcher(general, per_piece) if per_piece else BucketDispatcher(general)
-        )
+        self.dispatcher = BucketDispatcher(general, per_piece or run_general)
 
     def __call__(self, batch: ForwardBatch, bucket: int | None) -> torch.Tensor:
         return self._logits(batch, self.dispatcher, bucket if self.per_piece else None)
@@ -151,14 +149,14 @@ class PerBucketCompiledForward:
 
 
 def make_forward(
-    phase: Phase, config: PhaseConfig, env: RunnerEnv, per_piece: Specializer | None = None
+    config: PhaseConfig, env: RunnerEnv, per_piece: Specializer | None = None
 ) -> ModelForward:
     """The phase's forward: the compiled general graph with a tc compiler, SGLang's
     per-bucket compile for a `full` phase under `--enable-torch-compile`, else eager.
     `per_piece`: the specializer a bucket's piece calls go to (tc_piecewise)."""
     if config.tc_compiler is not None:
         return GeneralGraphForward(env, config.tc_compiler, per_piece)
-    if env.args.enable_torch_compile and config.backend.value == "full":
+    if env.args.enable_torch_compile and config.backend is Backend.FULL:
         return PerBucketCompiledForward(env)
     return EagerForward(env.model)
 

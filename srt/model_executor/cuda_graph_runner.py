@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-from srt.layers.sampler import SamplingArrays, SamplingBuffers, greedy_ids, sample
+from srt.layers.sampler import (
+    SamplingArrays,
+    SamplingBatch,
+    SamplingBuffers,
+    greedy_ids,
+    sample,
+)
 from srt.model_executor.forward_batch import ForwardBatch, forward_context
 from srt.model_executor.graph_config import GraphConfigError
 from srt.model_executor.graph_memory import Captured, CaptureSession, Graph
@@ -99,24 +105,21 @@ class FullCapture:
         graph: the same `sample` as the uncaptured path, on fixed buffers, so the same ids."""
         assert self.last is not None, "only after a replay"
         bucket, padded = self.last
-        rows = self.runner.requests_for(bucket)
+        # The upload stays outside the graph: a replay reads the buffers it fills, the same
+        # views for every step of the bucket.
+        params = self.params.load(arrays, padded.seq_lens, self.runner.requests_for(bucket))
         if bucket not in self.samplers:
-            self.samplers[bucket] = self._capture_sampler(bucket, padded, arrays)
+            self.samplers[bucket] = self._capture_sampler(bucket, params)
         graph = self.samplers[bucket]
         if graph is None:
             return None
-        self.params.load(arrays, padded.seq_lens, rows)
         graph.replay()
         return self.sampled[: padded.batch_size]
 
-    def _capture_sampler(
-        self, bucket: int, padded: ForwardBatch, arrays: SamplingArrays
-    ) -> Graph | None:
-        rows = self.runner.requests_for(bucket)
+    def _capture_sampler(self, bucket: int, params: SamplingBatch) -> Graph | None:
+        rows = len(params.seeds)
         assert self.out.greedy is not None, "a replay has run, so the warm-up allocated it"
         logits, greedy = self.out.view(rows), self.out.greedy[:rows]
-        # The upload stays outside the graph: a replay reads the buffers it fills.
-        params = self.params.load(arrays, padded.seq_lens, rows)
 
         def record(session: CaptureSession) -> Graph:
             session.begin()

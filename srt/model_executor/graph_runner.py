@@ -292,21 +292,21 @@ class GraphRunner:
 def create_phase_runner(phase: Phase, config: PhaseConfig, env: RunnerEnv) -> GraphRunner:
     """The runner of `phase`: its forward (compile axis) under its backend's capture kind."""
     if config.backend is Backend.DISABLED:
-        return GraphRunner(phase, config, env, make_forward(phase, config, env), None)
+        return GraphRunner(phase, config, env, make_forward(config, env), None)
     if config.backend is Backend.FULL:
         from srt.model_executor.cuda_graph_runner import FullCapture
 
-        return GraphRunner(phase, config, env, make_forward(phase, config, env), FullCapture)
+        return GraphRunner(phase, config, env, make_forward(config, env), FullCapture)
     if config.backend is Backend.BREAKABLE:
         from srt.model_executor.breakable_runner import BreakableCapture
 
-        return GraphRunner(phase, config, env, make_forward(phase, config, env), BreakableCapture)
+        return GraphRunner(phase, config, env, make_forward(config, env), BreakableCapture)
     if config.backend is Backend.TC_PIECEWISE:
         from srt.model_executor.piece_capture import PieceGraphs
         from srt.model_executor.piecewise_runner import PiecewiseCapture
 
         pieces = PieceGraphs(env.pool, env.model, phase)
-        forward = make_forward(phase, config, env, pieces)
+        forward = make_forward(config, env, pieces)
         return GraphRunner(
             phase, config, env, forward, lambda runner: PiecewiseCapture(runner, pieces)
         )
