@@ -13,9 +13,9 @@ import time
 
 import numpy as np
 
-from srt.managers.io_struct import BatchPlan, BatchResult, GenerateReq
-from srt.managers.scheduler import Scheduler
+from srt.ipc.messages import BatchPlan, BatchResult, GenerateReq
 from srt.sampling_params import SamplingParams
+from srt.scheduler.scheduler import Scheduler
 from srt.server_args import ServerArgs
 
 

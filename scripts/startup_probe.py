@@ -59,7 +59,7 @@ def main(model_dir: str | None) -> None:
         probe(
             "the launcher's tokenizer",
             "import sys, time; t = time.perf_counter()\n"
-            "from srt.managers.tokenizer import load_tokenizer\n"
+            "from srt.server.hf_tokenizer import load_tokenizer\n"
             f"load_tokenizer({model_dir!r})\n"
             "print(f'{time.perf_counter() - t:.2f} s, torch imported: {\"torch\" in sys.modules}')",
         )

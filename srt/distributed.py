@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from srt.compilation.custom_ops import register_custom_op
+from srt.compilation.op_registry import register_custom_op
 from srt.tp_rank import TPRank
 
 # Followers wait on the message group between steps, for as long as the server is idle: its

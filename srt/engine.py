@@ -19,14 +19,15 @@ from typing import Any
 
 import torch
 
-from srt.managers.frontend import RequestFrontend
-from srt.managers.io_struct import GenerateReq
-from srt.managers.outputs import SeqDecoder, SeqResult
-from srt.managers.scheduler import Scheduler
-from srt.managers.tokenizer import load_tokenizer
-from srt.model_config import ModelConfig, resolve_model_path, warn_past_positions
+from srt.ipc.messages import GenerateReq
+from srt.model_config import ModelConfig, warn_past_positions
 from srt.model_executor.rank_processes import start_ranks, stop_ranks
+from srt.scheduler.scheduler import Scheduler
+from srt.server.hf_tokenizer import load_tokenizer
+from srt.server.request_frontend import RequestFrontend
+from srt.server.seq_outputs import SeqDecoder, SeqResult
 from srt.server_args import ServerArgs
+from srt.tools.make_tiny_model import resolve_model_path
 
 logger = logging.getLogger(__name__)
 

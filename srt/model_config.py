@@ -106,15 +106,6 @@ class ModelConfig:
         return dtype
 
 
-def resolve_model_path(model_path: str | None) -> str:
-    """The model to serve: the given path, else the built-in tiny model (made on first use)."""
-    if model_path:
-        return model_path
-    from srt.tools.make_tiny_model import default_model_dir
-
-    return str(default_model_dir())
-
-
 def warn_past_positions(config: ModelConfig, context_length: int | None) -> None:
     """A context longer than the model was trained for runs, but past its positions the
     output is not to be trusted: say so."""

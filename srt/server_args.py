@@ -190,7 +190,7 @@ class ServerArgs:
                 "log_level",
                 f"invalid choice: {self.log_level!r} (choose from {', '.join(LOG_LEVELS)})",
             )
-        from srt.custom_op_selection import parse_custom_ops
+        from srt.op_selection import parse_custom_ops
 
         try:
             parse_custom_ops(self.custom_ops)

@@ -11,9 +11,9 @@ import torch
 
 from srt import Engine
 from srt.batch_layout import ForwardMode
-from srt.managers.io_struct import BatchPlan
-from srt.model_executor.compiled_forward import EagerForward
-from srt.model_executor.forward_batch import ForwardBatch
+from srt.forward_batch import ForwardBatch
+from srt.ipc.messages import BatchPlan
+from srt.model_executor.graphs.phase_forward import EagerForward
 from srt.model_executor.model_runner import ModelRunner
 
 LADDERS = {"cuda_graph_bs_prefill": [8, 16], "cuda_graph_bs_decode": [1, 2, 4]}
@@ -94,12 +94,12 @@ def scenario(vocab: int) -> list[tuple[ForwardMode, list[list[int]], list[int]]]
 def max_logit_error(runner: ModelRunner) -> float:
     """Run the scenario through `runner`'s phase runners and through the plain forward of the
     same model (each step on the same KV cache); the largest absolute logit difference."""
-    eager = EagerForward(runner.model)
+    eager = EagerForward(runner.model, runner.attn_backend)
     worst = 0.0
     for mode, tokens, prefix in scenario(runner.config.vocab_size):
         batch = make_batch(runner, mode, tokens, prefix)
         got = runner.forward_logits(batch).clone()
-        batch.attn_backend.init_forward_metadata(batch)
+        runner.attn_backend.init_forward_metadata(batch)
         want = eager(batch, None)
         assert got.shape == want.shape == (len(tokens), runner.config.vocab_size)
         assert torch.equal(got.argmax(-1), want.argmax(-1))

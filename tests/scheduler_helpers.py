@@ -15,9 +15,9 @@ from collections.abc import Callable
 import numpy as np
 
 from srt.batch_layout import DUMMY_SLOT
-from srt.managers.io_struct import BatchPlan, BatchResult, GenerateReq, TokenOutput
-from srt.managers.scheduler import Scheduler
+from srt.ipc.messages import BatchPlan, BatchResult, GenerateReq, TokenOutput
 from srt.sampling_params import SamplingParams
+from srt.scheduler.scheduler import Scheduler
 from srt.server_args import ServerArgs
 
 VOCAB = 50

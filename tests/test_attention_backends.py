@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from srt.batch_layout import ForwardMode
-from srt.layers.attention.base import create_attention_backend
+from srt.forward_batch import ForwardBatch, forward_batch_from_host, pad_tokens
+from srt.layers.attention.base import AttentionInputs, create_attention_backend
 from srt.layers.attention.torch_native import TorchNativeBackend, attend
-from srt.model_executor.forward_batch import ForwardBatch, forward_batch_from_host, pad_tokens
-from srt.model_executor.static_batch import StaticBatch, real_requests
+from srt.model_executor.graphs.static_batch import StaticBatch, real_requests
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,7 +104,6 @@ def make_batch(
         prefix_lens=np.array([p for p, _ in specs]),
         extend_lens=np.array([e for _, e in specs]),
         req_to_token=world.req_to_token,
-        attn_backend=None,
     )
     batch = pad_tokens(batch, padded_tokens or num_tokens)
     t = batch.padded_tokens
@@ -126,7 +125,7 @@ def reference(
     native = TorchNativeBackend(q.shape[1] // head_dim, num_kv_heads, head_dim)
     k_cache, v_cache = world.k_cache.clone(), world.v_cache.clone()
     out = torch.empty_like(q)
-    native.forward(batch, q, k, v, out, k_cache, v_cache, head_dim**-0.5)
+    native.forward(batch, AttentionInputs(q, k, v, out, k_cache, v_cache, head_dim**-0.5))
     return out, k_cache, v_cache
 
 
@@ -161,7 +160,9 @@ def check_eager(
     expected = reference(world, batch, q, k, v)
     out = torch.full_like(q, 7.0)  # garbage that the padded tail must lose
     backend.init_forward_metadata(batch)
-    backend.forward(batch, q, k, v, out, world.k_cache, world.v_cache, head_dim**-0.5)
+    backend.forward(
+        batch, AttentionInputs(q, k, v, out, world.k_cache, world.v_cache, head_dim**-0.5)
+    )
     assert_matches(world, expected, out, batch.num_tokens)
 
 
@@ -199,7 +200,10 @@ def check_static_replay(
 
     def run(batch: ForwardBatch) -> None:
         backend.forward(
-            batch, static_q, static_k, static_v, static_out, world.k_cache, world.v_cache, scale
+            batch,
+            AttentionInputs(
+                static_q, static_k, static_v, static_out, world.k_cache, world.v_cache, scale
+            ),
         )
 
     graph = None
@@ -249,16 +253,19 @@ def check_metadata_stays_with_its_batch(
     backend.init_forward_metadata(first)
     backend.init_forward_metadata(second)
     out = torch.full_like(q, 7.0)
-    backend.forward(first, q, k, v, out, world.k_cache, world.v_cache, scale)
+    backend.forward(first, AttentionInputs(q, k, v, out, world.k_cache, world.v_cache, scale))
     assert_matches(world, expected, out, first.num_tokens)
 
     unprepared = dataclasses.replace(first, attn_metadata=None)
     with pytest.raises(RuntimeError, match="no metadata for a step of 2 tokens"):
-        backend.forward(unprepared, q, k, v, out, world.k_cache, world.v_cache, scale)
+        backend.forward(
+            unprepared, AttentionInputs(q, k, v, out, world.k_cache, world.v_cache, scale)
+        )
     q3, k3, v3 = (torch.cat([t, t[:1]]) for t in (q, k, v))
     with pytest.raises(RuntimeError, match="no metadata for a step of 3 tokens"):
         backend.forward(
-            first, q3, k3, v3, torch.empty_like(q3), world.k_cache, world.v_cache, scale
+            first,
+            AttentionInputs(q3, k3, v3, torch.empty_like(q3), world.k_cache, world.v_cache, scale),
         )
     static = StaticBatch(4, 4, torch.device(device))
     for copy in (pad_tokens(first, 4), static.load(first, 4, 4), real_requests(first)):
@@ -437,6 +444,8 @@ def test_triton_refuses_static_metadata_refilled_for_another_batch(
     backend.init_forward_metadata_replay(second, 4)
     out = torch.full_like(q, 7.0)
     with pytest.raises(RuntimeError, match="refilled for another batch"):
-        backend.forward(first, q, k, v, out, world.k_cache, world.v_cache, 64**-0.5)
-    backend.forward(second, q, k, v, out, world.k_cache, world.v_cache, 64**-0.5)
+        backend.forward(
+            first, AttentionInputs(q, k, v, out, world.k_cache, world.v_cache, 64**-0.5)
+        )
+    backend.forward(second, AttentionInputs(q, k, v, out, world.k_cache, world.v_cache, 64**-0.5))
     assert_matches(world, expected, out, second.num_tokens)

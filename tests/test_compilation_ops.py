@@ -14,12 +14,12 @@ from layer_op_cases import kernel_device, op_cases
 
 import srt.layers.attention.layer  # noqa: F401 (defines srt::attention)
 from srt.batch_layout import ForwardMode
-from srt.compilation.custom_ops import custom_ops, opcheck, register_custom_op, split_ops
-from srt.custom_op_selection import OPS
+from srt.compilation.op_registry import custom_ops, opcheck, register_custom_op, split_ops
 from srt.distributed import destroy_tp, init_tp
 from srt.layers.attention.base import create_attention_backend
-from srt.model_executor.forward_batch import forward_context
-from srt.model_executor.static_batch import dummy_batch
+from srt.layers.attention.layer import forward_context
+from srt.model_executor.graphs.static_batch import dummy_batch
+from srt.op_selection import OPS
 from srt.tp_rank import TPRank, free_port
 
 Sample = tuple[tuple, AbstractContextManager]
@@ -29,14 +29,16 @@ def attention_sample() -> Sample:
     heads, kv_heads, head_dim, tokens = 4, 2, 8, 6
     backend = create_attention_backend("torch_native", heads, kv_heads, head_dim)
     table = torch.arange(16, dtype=torch.int32).repeat(2, 1)  # row 0 reads slots 0..15
-    batch = dummy_batch(ForwardMode.EXTEND, tokens, table, backend)
+    batch = dummy_batch(ForwardMode.EXTEND, tokens, table)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(tokens, heads * head_dim, generator=gen)
     k = torch.randn(tokens, kv_heads * head_dim, generator=gen)
     v = torch.randn(tokens, kv_heads * head_dim, generator=gen)
     k_cache = torch.randn(16, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(16, kv_heads, head_dim, generator=gen)
-    return (q, k, v, torch.empty_like(q), k_cache, v_cache, head_dim**-0.5), forward_context(batch)
+    return (q, k, v, torch.empty_like(q), k_cache, v_cache, head_dim**-0.5), forward_context(
+        batch, backend
+    )
 
 
 def layer_op_sample(qualname: str) -> Callable[[], Sample]:

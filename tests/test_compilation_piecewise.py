@@ -25,7 +25,7 @@ from compile_helpers import (
 from graph_emulation import EmulatedCapturer
 from torch import fx, nn
 
-import srt.model_executor.graph_memory as graph_memory
+import srt.model_executor.graphs.pool as graph_memory
 from srt import Engine
 from srt.batch_layout import ForwardMode
 from srt.compilation.cache import CacheFactors, CompileCache, collect_factors
@@ -229,14 +229,16 @@ def test_bucket_states_and_the_manifest(
         assert (decode[2]["state"], decode[4]["state"]) == ("unseen", "unseen")
         assert (prefill[8]["state"], prefill[8]["replays"]) == ("captured", 1)
         assert (graphs["decode"]["captured"], graphs["prefill"]["captured"]) == ([1], [8])
-        pieces = graphs["decode"]["pieces_captured"]
+        pieces = graphs["decode"]["capture"]["pieces_captured"]
         eng.generate(input_ids=PROMPTS[0], sampling_params=one)
         graphs = eng.get_server_info()["graphs"]
         decode = {b["bucket"]: b for b in graphs["decode"]["buckets"]}
-        assert decode[1]["replays"] == 4 and graphs["decode"]["pieces_captured"] == pieces
+        assert (
+            decode[1]["replays"] == 4 and graphs["decode"]["capture"]["pieces_captured"] == pieces
+        )
         eng.generate(input_ids=list(range(1, 30)), sampling_params=one)  # beyond bucket 16
         prefill_info = eng.get_server_info()["graphs"]["prefill"]
-        assert prefill_info["general_runs"] == prefill_info["uncaptured_runs"] == 1
+        assert prefill_info["forward"]["general_runs"] == prefill_info["uncaptured_runs"] == 1
         manifest = Path(compile_info(eng)["cache_dir"]) / "manifest.json"
         assert json.loads(manifest.read_text()) == {"buckets": {"prefill": [8], "decode": [1]}}
 
@@ -261,8 +263,11 @@ def test_on_the_cpu_tc_piecewise_runs_the_general_graph(tiny_llama: Path, tmp_pa
     with tc_engine(tiny_llama, tmp_path, "eager") as eng:
         eng.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 3})
         decode = eng.get_server_info()["graphs"]["decode"]
-        assert decode["captured"] == [] and decode["uncaptured_runs"] == decode["general_runs"]
-        assert decode["general_runs"] >= 2
+        assert (
+            decode["captured"] == []
+            and decode["uncaptured_runs"] == decode["forward"]["general_runs"]
+        )
+        assert decode["forward"]["general_runs"] >= 2
 
 
 # ---- the cache key and its directories --------------------------------------------------------

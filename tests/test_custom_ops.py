@@ -10,15 +10,10 @@ import pytest
 import torch
 
 from srt.batch_layout import ForwardMode
-from srt.compilation.custom_ops import opcheck, split_ops
-from srt.layers.attention.base import create_attention_backend
-from srt.layers.attention.layer import attention_op
-from srt.model_executor.forward_batch import (
-    ForwardBatch,
-    forward_batch_from_host,
-    forward_context,
-    pad_tokens,
-)
+from srt.compilation.op_registry import opcheck, split_ops
+from srt.forward_batch import ForwardBatch, forward_batch_from_host, pad_tokens
+from srt.layers.attention.base import AttentionBackend, create_attention_backend
+from srt.layers.attention.layer import attention_op, eager_forward_context
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 NUM_SLOTS = 64
@@ -31,6 +26,7 @@ SCALING = HEAD_DIM**-0.5
 @dataclass
 class Case:
     batch: ForwardBatch
+    backend: AttentionBackend
     q: torch.Tensor  # [T, H*D], T padded
     k: torch.Tensor  # [T, Hkv*D]
     v: torch.Tensor
@@ -72,14 +68,14 @@ def make_case(device: str, dtype: torch.dtype = torch.float32) -> Case:
         prefix_lens=np.array([p for p, _ in REQUESTS]),
         extend_lens=np.array([e for _, e in REQUESTS]),
         req_to_token=req_to_token,
-        attn_backend=create_attention_backend("torch_native", HEADS, KV_HEADS, HEAD_DIM),
     )
     batch = pad_tokens(batch, PADDED_TOKENS)
     pad = PADDED_TOKENS - num_tokens
     q = randn(PADDED_TOKENS, HEADS * HEAD_DIM)
     k = torch.cat([torch.cat(new_k).flatten(1), randn(pad, KV_HEADS * HEAD_DIM)])
     v = torch.cat([torch.cat(new_v).flatten(1), randn(pad, KV_HEADS * HEAD_DIM)])
-    return Case(batch, q, k, v, k_cache, v_cache, keys, values)
+    backend = create_attention_backend("torch_native", HEADS, KV_HEADS, HEAD_DIM)
+    return Case(batch, backend, q, k, v, k_cache, v_cache, keys, values)
 
 
 def reference_attention(case: Case) -> torch.Tensor:
@@ -113,7 +109,7 @@ def test_torch_native_mixed_batch_matches_dense_reference(device: str) -> None:
     case = make_case(device)
     out = torch.full_like(case.q, float("nan"))
     k_cache_before = case.k_cache.clone()
-    with forward_context(case.batch):
+    with eager_forward_context(case.batch, case.backend):
         attention_op(case.q, case.k, case.v, out, case.k_cache, case.v_cache, SCALING)
     num_tokens = case.batch.num_tokens
     torch.testing.assert_close(
@@ -133,7 +129,7 @@ def test_torch_native_mixed_batch_matches_dense_reference(device: str) -> None:
 def test_opcheck_attention(device: str) -> None:
     case = make_case(device)
     out = torch.empty_like(case.q)
-    with forward_context(case.batch):
+    with eager_forward_context(case.batch, case.backend):
         opcheck(attention_op, (case.q, case.k, case.v, out, case.k_cache, case.v_cache, SCALING))
 
 
@@ -154,7 +150,7 @@ def test_breakable_capture_sees_the_split_op_without_a_dispatch_mode() -> None:
     """On CUDA a breakable capture runs under its torch function mode alone (no dispatch mode,
     unlike the CPU emulation of capture): the attention op must still reach the mode as the
     split op, to be recorded instead of run."""
-    from srt.model_executor.breakable_runner import SplitAtOps
+    from srt.model_executor.graphs.breakable import SplitAtOps
 
     class Session:
         def __init__(self) -> None:

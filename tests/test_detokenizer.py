@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from srt.managers.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 from srt.model_config import ModelLoadError
+from srt.server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from srt.server.hf_tokenizer import load_tokenizer
 
 UNICODE_TEXT = "héllo ✓ 日本語 🙂 naïve café — “quoted” 12345\n\tthe end. Ωμέγα 한국어 👩‍👩‍👧"
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 from graph_emulation import EmulatedCapturer
 
-import srt.model_executor.graph_memory as graph_memory
+import srt.model_executor.graphs.pool as graph_memory
 from srt import Engine
 from srt.batch_layout import ForwardMode
 from srt.compilation.dispatch import BucketDispatcher
-from srt.model_executor.forward_batch import ForwardBatch, forward_batch_from_host
-from srt.model_executor.graph_config import (
+from srt.forward_batch import ForwardBatch, forward_batch_from_host
+from srt.model_executor.graphs.config import (
     Backend,
     GraphConfigError,
     Phase,
@@ -29,9 +29,9 @@ from srt.model_executor.graph_config import (
     default_prefill_ladder,
     resolve_graph_config,
 )
-from srt.model_executor.graph_memory import GraphPool
-from srt.model_executor.piece_capture import PieceGraphs
-from srt.model_executor.static_batch import StaticBatch, dummy_batch
+from srt.model_executor.graphs.piecewise import PieceGraphs
+from srt.model_executor.graphs.pool import GraphPool
+from srt.model_executor.graphs.static_batch import StaticBatch, dummy_batch
 from srt.server_args import ServerArgs
 
 # Three requests that finish after 3, 5 and 8 tokens: decode batches of 3, 2 and 1 requests
@@ -132,7 +132,7 @@ def test_a_tc_compiler_no_phase_uses_is_a_warning(
     compiler: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     # As SGLang does: ignored, not refused (whatever its value, since nothing compiles).
-    with caplog.at_level(logging.WARNING, logger="srt.model_executor.graph_config"):
+    with caplog.at_level(logging.WARNING, logger="srt.model_executor.graphs.config"):
         configs = resolve(
             "cuda", cuda_graph_tc_compiler=compiler, cuda_graph_backend_decode="breakable"
         )
@@ -205,7 +205,6 @@ def live_batch(mode: ForwardMode, extend: list[int], prefix: list[int]) -> Forwa
         prefix_lens=np.array(prefix),
         extend_lens=np.array(extend),
         req_to_token=torch.zeros(8, 64, dtype=torch.int32),
-        attn_backend=None,
     )
 
 
@@ -243,9 +242,9 @@ def test_prefill_padding() -> None:
 
 def test_dummy_batches_fit_the_table() -> None:
     table = torch.zeros(4, 10, dtype=torch.int32)
-    decode = dummy_batch(ForwardMode.DECODE, 4, table, None)
+    decode = dummy_batch(ForwardMode.DECODE, 4, table)
     assert decode.extend_lens_cpu == [1, 1, 1, 1] and decode.out_cache_loc.tolist() == [0] * 4
-    prefill = dummy_batch(ForwardMode.EXTEND, 24, table, None)
+    prefill = dummy_batch(ForwardMode.EXTEND, 24, table)
     assert prefill.extend_lens_cpu == [10, 10, 4]
     assert prefill.positions.tolist() == [*range(10), *range(10), *range(4)]
     assert prefill.extend_start_loc.tolist() == [0, 10, 20]
@@ -345,7 +344,7 @@ def test_every_capture_kind_over_every_forward_gives_the_eager_ids(
         assert generate(eng) == reference
         assert generate(eng) == reference
         decode = phase_info(eng, "decode")
-        assert decode.get("tc_compiler") == compiler
+        assert decode["forward"]["tc_compiler"] == compiler
         if capture != "disabled":
             assert decode["captured"] == [1, 2, 4] and capturer.sessions > 0
         if compiler is not None:
@@ -411,7 +410,7 @@ def test_a_full_graph_samples_in_a_graph_of_its_bucket(
         assert graphed == eager
     assert [len(o) for o in graphed] == [6, 6, 6]
     # The three decode together (bucket 4) for 5 steps: one forward graph, one sampler graph.
-    assert decode["captured"] == decode["samplers_captured"] == [4]
+    assert decode["captured"] == decode["capture"]["samplers_captured"] == [4]
     assert capturer.sessions - sessions == 2 and decode["replays"] == 5
 
 
@@ -423,7 +422,7 @@ def test_the_greedy_argmax_runs_in_the_warm_up_before_its_capture(
 ) -> None:
     """So that its kernel's first call (a JIT compile on CUDA) is never inside a capture,
     even with --skip-warmup."""
-    from srt.model_executor import cuda_graph_runner
+    from srt.model_executor.graphs import full
 
     calls: list[tuple[int, int]] = []  # (warm-ups, captures) begun at each call
 
@@ -431,8 +430,8 @@ def test_the_greedy_argmax_runs_in_the_warm_up_before_its_capture(
         calls.append((capturer.warmups, capturer.sessions))
         return real(logits, out)
 
-    real = cuda_graph_runner.greedy_ids
-    monkeypatch.setattr(cuda_graph_runner, "greedy_ids", greedy_ids)
+    real = full.greedy_ids
+    monkeypatch.setattr(full, "greedy_ids", greedy_ids)
     with make_engine(
         tiny_llama, tmp_path, cuda_graph_backend_decode="full", skip_warmup=True
     ) as eng:
@@ -542,7 +541,7 @@ def test_over_budget_captures_are_skipped(
         cuda_graph_backend_prefill="breakable",
         cuda_graph_mem_fraction=0.0005,
     ) as eng:
-        with caplog.at_level(logging.WARNING, logger="srt.model_executor.graph_memory"):
+        with caplog.at_level(logging.WARNING, logger="srt.model_executor.graphs.pool"):
             assert generate(eng) == reference
             assert generate(eng) == reference
         assert capturer.sessions == 0
@@ -559,7 +558,7 @@ def test_without_a_capturer_the_uncaptured_path_runs(
     reference: list[list[int]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="srt.model_executor.graph_runner"):
+    with caplog.at_level(logging.INFO, logger="srt.model_executor.graphs.graph_runner"):
         eng = make_engine(
             tiny_llama,
             tmp_path,
@@ -593,17 +592,17 @@ def test_full_capture_of_the_compiled_general_graph(
         cuda_graph_tc_compiler="eager",
     ) as eng:
         assert generate(eng) == reference
-        runs = phase_info(eng, "decode")["general_runs"]  # warm-ups and captures
+        runs = phase_info(eng, "decode")["forward"]["general_runs"]  # warm-ups and captures
         assert generate(eng) == reference
         info = eng.get_server_info()
         assert info["runner"]["compile"]["traces"] == 1
         assert info["runner"]["compile"]["num_pieces"] == eng.model_config.num_layers + 1
         decode = phase_info(eng, "decode")
-        assert decode["tc_compiler"] == "eager"
+        assert decode["forward"]["tc_compiler"] == "eager"
         assert states(eng, "decode") == {4: ("captured", 4), 2: ("captured", 4), 1: ("captured", 6)}
         # One session per bucket (decode 4, 2, 1; prefill 16, 8), the whole forward in each.
         assert capturer.sessions == len(eng.runner.graph_pool.labels) == 5
-        assert decode["general_runs"] == runs  # replays run no piece from Python
+        assert decode["forward"]["general_runs"] == runs  # replays run no piece from Python
         long_prompt = [list(range(1, 40))]  # 39 tokens: beyond the largest prefill bucket
         eng.generate(input_ids=long_prompt, sampling_params=PARAMS[0])
         assert phase_info(eng, "prefill")["uncaptured_runs"] == 1
@@ -617,20 +616,24 @@ def test_full_with_a_tc_compiler_runs_the_compiled_graph_on_the_cpu(
     ) as eng:
         assert generate(eng) == reference
         decode = phase_info(eng, "decode")
-        assert decode["uncaptured_runs"] == decode["general_runs"] > 0
-        assert phase_info(eng, "prefill") == {"backend": "disabled"}
+        assert decode["uncaptured_runs"] == decode["forward"]["general_runs"] > 0
+        prefill = phase_info(eng, "prefill")
+        assert prefill["backend"] == "disabled" and prefill["capture"] is None
+        assert prefill["forward"] == {**prefill["forward"], "kind": "eager"}
 
 
 # ---- tc_piecewise: the piece capture, through the compilation layer's dispatcher -----------
 
 
-def test_piece_graphs_capture_each_piece_bucket_once() -> None:
-    """Two pieces around an eager 'attention' that writes into the first piece's output."""
+def test_piece_graphs_capture_each_piece_of_a_bucket_in_its_session() -> None:
+    """Two pieces around an eager 'attention' that writes into the first piece's output: the
+    bucket's warm-up is each piece's first hit, the recording forward (inside the bucket's
+    one capture session) captures both, later hits replay them."""
     capturer = EmulatedCapturer()
     pool = GraphPool(torch.device("cpu"), mem_fraction=0.5)
     pool.capturer = capturer
     weight = torch.nn.Linear(4, 4)
-    specializer = PieceGraphs(pool, weight, Phase.DECODE)
+    specializer = PieceGraphs(weight)
     pieces = [
         lambda x, w: (x @ w, torch.empty_like(x)),
         lambda h, out, w: (h + out) @ w,
@@ -646,20 +649,34 @@ def test_piece_graphs_capture_each_piece_bucket_once() -> None:
         h = x @ weight.weight
         return (h + h.relu() * 2) @ weight.weight
 
+    def record(session: Any) -> None:
+        with specializer.capturing(session):
+            torch.testing.assert_close(forward(x, 4), expected(x))
+
     with torch.inference_mode():
-        for step in range(5):
+        x = torch.randn(4, 4)
+        captured = pool.capture("bucket 4", lambda: forward(x, 4), record, warmup_runs=1)
+        assert captured is not None and capturer.sessions == 1 and len(capturer.graphs) == 2
+        assert specializer.captured == {4: 2}
+        for _ in range(3):
             x = torch.randn(4, 4)
             torch.testing.assert_close(forward(x, 4), expected(x))
-            if step == 0:
-                assert capturer.sessions == 0  # first hit: the general graph (warm-up)
-        assert capturer.sessions == 2 and specializer.captured == {4: 2}
-        assert capturer.replays == 2 * 4  # hits 2..5 replay both pieces
+        # The recording hit replays what it captured (a CUDA capture computes nothing), and
+        # so does every later hit: both pieces each time.
+        assert capturer.replays == 2 * 4
         x = torch.randn(2, 4)
         torch.testing.assert_close(forward(x, None), expected(x))  # no bucket: general
-        assert capturer.sessions == 2
-        # Piece 1 reads piece 0's outputs in place; only the model input x is copied.
+        assert capturer.sessions == 1
         stats = dispatcher.bucket_stats()[4]
         assert stats["state"] == "replayed" and stats["hits"] == 5
+
+
+def test_a_piece_outside_its_bucket_capture_is_an_error() -> None:
+    specializer = PieceGraphs(torch.nn.Linear(2, 2))
+    dispatcher = BucketDispatcher([lambda x: x * 3], specializer)
+    dispatcher.run(0, 8, (torch.randn(8),))  # the first hit runs the general piece
+    with pytest.raises(RuntimeError, match="outside the bucket's capture"):
+        dispatcher.run(0, 8, (torch.randn(8),))
 
 
 def test_tc_piecewise_piece_graphs_give_the_eager_ids(
@@ -681,22 +698,9 @@ def test_tc_piecewise_piece_graphs_give_the_eager_ids(
         assert generate(eng) == reference
         labels = eng.runner.graph_pool.labels
         # Decode buckets 4, 2, 1 and the prefill buckets 16 (the first round) and 8
-        # (prefix-cached rounds), every piece captured exactly once.
-        assert capturer.sessions == len(labels) == 5 * pieces and max(labels.values()) == 1
-        assert capturer.replays > 0
+        # (prefix-cached rounds): one session each, every piece captured exactly once in it.
+        assert capturer.sessions == len(labels) == 5 and max(labels.values()) == 1
+        assert len(capturer.graphs) == 5 * pieces and capturer.replays > 0
         decode = phase_info(eng, "decode")
-        assert decode["captured"] == [1, 2, 4] and decode["pieces_captured"] == 3 * pieces
-
-
-def test_piece_graphs_decline_over_budget() -> None:
-    capturer = EmulatedCapturer(peak=10**6, total=10**6)
-    pool = GraphPool(torch.device("cpu"), mem_fraction=0.5)
-    pool.capturer = capturer
-    specializer = PieceGraphs(pool, torch.nn.Linear(2, 2), Phase.PREFILL)
-    piece = lambda x: x * 3  # noqa: E731
-    dispatcher = BucketDispatcher([piece], specializer)
-    with torch.inference_mode():
-        for _ in range(3):
-            x = torch.randn(8)
-            torch.testing.assert_close(dispatcher.run(0, 8, (x,)), x * 3)
-    assert capturer.sessions == 0 and specializer.skipped == {8: 1} and pool.skips == 1
+        assert decode["captured"] == [1, 2, 4]
+        assert decode["capture"]["pieces_captured"] == 3 * pieces

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from srt import Engine
-from srt.model_executor.graph_config import GraphConfigError
+from srt.model_executor.graphs.config import GraphConfigError
 
 pytestmark = pytest.mark.gpu
 
@@ -185,7 +185,7 @@ def test_torch_compile_full_decode(
         # drift apart; the first decoded token of every request must agree.
         assert [g[:2] for g in got] == [w[:2] for w in reference], first_divergence(got, reference)
         info = check_captures(eng, {"decode": "full"})
-        assert info["graphs"]["decode"]["torch_compile_max_bs"] == 4
+        assert info["graphs"]["decode"]["forward"]["torch_compile_max_bs"] == 4
         assert info["graphs"]["decode"]["replays"] == DECODE_STEPS
     finally:
         close(eng)
@@ -235,7 +235,7 @@ def test_full_capture_of_the_compiled_general_graph(
         assert got == want, first_divergence(got, want)
     assert info["runner"]["compile"]["traces"] == 1
     decode = info["graphs"]["decode"]
-    assert decode["tc_compiler"] == compiler
+    assert decode["forward"]["tc_compiler"] == compiler
     assert (decode["replays"], decode["uncaptured_runs"]) == (2 * DECODE_STEPS, 0)
     assert set(decode["captured"]) >= {8, 4, 2, 1}
 
@@ -302,7 +302,7 @@ def test_full_needs_a_capturable_attention_backend(llama8: Path, tmp_path: Path)
 
 def test_a_capture_cut_short_by_an_error_leaves_the_device_usable() -> None:
     """The capture is ended on its own stream, so the process's later CUDA calls work."""
-    from srt.model_executor.graph_memory import CudaGraphCapturer
+    from srt.model_executor.graphs.pool import CudaGraphCapturer
 
     capturer = CudaGraphCapturer(torch.device("cuda"))
     x = torch.ones(8, device="cuda")
@@ -331,7 +331,7 @@ def test_sampling_inside_full_graphs_draws_the_uncaptured_samples(
             out[backend] = [r["output_ids"] for r in results]
             if backend == "full":
                 decode = eng.get_server_info()["graphs"]["decode"]
-                assert decode["samplers_captured"] == decode["captured"] != []
+                assert decode["capture"]["samplers_captured"] == decode["captured"] != []
         finally:
             close(eng)
     assert out["full"] == out["disabled"]

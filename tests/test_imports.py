@@ -38,8 +38,8 @@ def test_import_srt_is_light() -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        "srt.managers.scheduler_process",
-        "srt.managers.frontend",
+        "srt.scheduler.scheduler_process",
+        "srt.server.request_frontend",
         "srt.sampling_params",
         "srt.batch_layout",
         "srt.model_config",
@@ -56,7 +56,7 @@ def test_checking_the_flags_imports_no_torch() -> None:
     # The launcher checks them before it spawns anything: a second of torch here would be a
     # second on every start.
     modules = imported_after("srt.server_args", "srt.server_args.ServerArgs().check()")
-    assert "srt.custom_op_selection" in modules
+    assert "srt.op_selection" in modules
     assert heavy(modules, HEAVY) == []
 
 
@@ -68,15 +68,15 @@ def test_launcher_entry_skips_the_web_stack() -> None:
 
 def test_a_plain_fast_tokenizer_loads_without_torch(tiny_llama: Path) -> None:
     # The tiny llama's tokenizer_config names PreTrainedTokenizerFast, as Llama 3's do.
-    then = f"srt.managers.tokenizer.load_tokenizer({str(tiny_llama)!r})"
-    modules = imported_after("srt.managers.tokenizer", then)
+    then = f"srt.server.hf_tokenizer.load_tokenizer({str(tiny_llama)!r})"
+    modules = imported_after("srt.server.hf_tokenizer", then)
     assert "transformers" in modules and heavy(modules, ("torch",)) == []
 
 
 def test_the_shortcut_loads_what_auto_tokenizer_does(tiny_llama: Path) -> None:
     from transformers import AutoTokenizer
 
-    from srt.managers.tokenizer import load_tokenizer
+    from srt.server.hf_tokenizer import load_tokenizer
 
     ours, auto = load_tokenizer(tiny_llama), AutoTokenizer.from_pretrained(str(tiny_llama))
     assert type(ours) is type(auto)
@@ -120,7 +120,7 @@ def test_loading_the_tokenizer_imports_no_torch(tiny_llama: Path) -> None:
     # and their "PyTorch was not found" warning is not in the log.
     code = (
         "import sys\n"
-        "from srt.managers.tokenizer import load_tokenizer\n"
+        "from srt.server.hf_tokenizer import load_tokenizer\n"
         f"tok = load_tokenizer({str(tiny_llama)!r})\n"
         "print('torch' in sys.modules, tok.decode(tok.encode('hello')))\n"
         "import torch\n"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from srt.batch_layout import DUMMY_SLOT
-from srt.managers.kv_allocator import TokenSlotAllocator
+from srt.scheduler.kv_allocator import TokenSlotAllocator
 
 
 def test_alloc_free_round_trip() -> None:

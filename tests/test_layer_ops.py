@@ -23,18 +23,18 @@ from torch._prims_common import check_significant_strides
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from srt import Engine
-from srt.compilation.custom_ops import inductor_trace
-from srt.custom_op_selection import (
+from srt.compilation.op_registry import inductor_trace
+from srt.layers.activation import SiluAndMul
+from srt.layers.custom_op import apply_custom_ops
+from srt.layers.layernorm import RMSNorm, fused_add_rms_norm_kernel, rms_norm_kernel
+from srt.layers.rotary_embedding import RotaryEmbedding, rotary_kernel
+from srt.op_selection import (
     OPS,
     OpImpl,
     asks_for_kernels,
     parse_custom_ops,
     resolve_custom_ops,
 )
-from srt.layers.activation import SiluAndMul
-from srt.layers.custom_op import apply_custom_ops
-from srt.layers.layernorm import RMSNorm, fused_add_rms_norm_kernel, rms_norm_kernel
-from srt.layers.rotary_embedding import RotaryEmbedding, rotary_kernel
 from srt.server_args import ServerArgs, ServerArgsError
 
 # ---- the grammar ----

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from srt.managers.io_struct import BatchPlan, StepOutputs, TokenOutput
-from srt.managers.ipc import dumps, loads
-from srt.managers.outputs import coalesce
+from srt.ipc.channels import dumps, loads
+from srt.ipc.messages import BatchPlan, StepOutputs, TokenOutput
+from srt.server.seq_outputs import coalesce
 
 
 def outputs() -> list[TokenOutput]:

@@ -18,8 +18,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from srt import Engine
-from srt.managers.io_struct import GenerateReq
-from srt.model_executor.forward_batch import forward_context
+from srt.ipc.messages import GenerateReq
+from srt.layers.attention.layer import eager_forward_context
 from srt.sampling_params import SamplingParams
 from srt.tools.make_tiny_model import CORPUS
 
@@ -70,8 +70,7 @@ def prefill_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.Tenso
     assert plan.batch_size == len(prompts) and plan.num_tokens == sum(map(len, prompts))
     try:
         batch = runner.make_forward_batch(plan)
-        batch.attn_backend.init_forward_metadata(batch)
-        with torch.inference_mode(), forward_context(batch):
+        with torch.inference_mode(), eager_forward_context(batch, runner.attn_backend):
             logits = runner.model.compute_logits(runner.model(batch.input_ids, batch.positions))
     finally:
         # The planned step must come back before its requests' slots are freed.

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from srt import Engine
-from srt.managers.io_struct import BatchPlan, BatchResult, GenerateReq
+from srt.ipc.messages import BatchPlan, BatchResult, GenerateReq
 from srt.sampling_params import SamplingParams
 
 

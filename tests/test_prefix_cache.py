@@ -12,11 +12,11 @@ from scheduler_helpers import (
     step,
 )
 
-from srt.managers.io_struct import GenerateReq
-from srt.managers.kv_allocator import TokenSlotAllocator
-from srt.managers.prefix_cache import PrefixCache
-from srt.managers.scheduler import Req
+from srt.ipc.messages import GenerateReq
 from srt.sampling_params import SamplingParams
+from srt.scheduler.kv_allocator import TokenSlotAllocator
+from srt.scheduler.prefix_cache import PrefixCache
+from srt.scheduler.req import Req
 
 CAPACITY = 64
 

@@ -14,9 +14,9 @@ from scheduler_helpers import (
     step,
 )
 
-from srt.managers.io_struct import GenerateReq
-from srt.managers.scheduler_process import SchedulerLoop
+from srt.ipc.messages import GenerateReq
 from srt.sampling_params import SamplingParams
+from srt.scheduler.scheduler_process import SchedulerLoop
 
 
 @pytest.mark.parametrize("overlap", [False, True])

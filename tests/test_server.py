@@ -15,7 +15,7 @@ from server_helpers import ServerProcess
 openai = pytest.importorskip("openai")
 
 from srt.engine import Engine  # noqa: E402
-from srt.managers.tokenizer import load_tokenizer  # noqa: E402
+from srt.server.hf_tokenizer import load_tokenizer  # noqa: E402
 
 API_KEY = "sk-test-key"
 PROMPT = "The lighthouse keeper woke before the gulls"

@@ -110,10 +110,10 @@ def test_a_signal_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path, sig: sign
 
 def test_every_endpoint_answers_503_until_ready(tiny_llama: Path) -> None:
     """The app in this process, before and after `mark_ready`: no timing involved."""
-    from srt.entrypoints.http_server import create_app
-    from srt.managers.ipc import Endpoints
-    from srt.managers.tokenizer_manager import TokenizerManager
+    from srt.ipc.channels import Endpoints
     from srt.model_config import ModelConfig
+    from srt.server.http.app import create_app
+    from srt.server.tokenizer_manager import TokenizerManager
     from srt.server_args import ServerArgs
 
     args = ServerArgs(model_path=str(tiny_llama))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from srt.managers.timeline import StepTimeline
+from srt.timeline import StepTimeline
 
 
 def test_gaps_period_and_ring() -> None:

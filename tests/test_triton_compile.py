@@ -94,6 +94,7 @@ def record_launches() -> dict[str, list[tuple]]:
 def exercise_kernels() -> None:
     """Every kernel's launch, through the wrappers the model calls (results unused)."""
     from srt.batch_layout import ForwardMode
+    from srt.layers.attention.base import AttentionInputs
     from srt.layers.attention.triton_backend import TritonBackend
     from srt.layers.attention.triton_ops.kv_write import write_kv
     from srt.layers.triton_ops.argmax import argmax_rows
@@ -113,7 +114,9 @@ def exercise_kernels() -> None:
         batch, q, k, v = make_batch(world, mode, specs, heads)
         backend.init_forward_metadata(batch)
         out = torch.empty_like(q)
-        backend.forward(batch, q, k, v, out, world.k_cache, world.v_cache, head_dim**-0.5)
+        backend.forward(
+            batch, AttentionInputs(q, k, v, out, world.k_cache, world.v_cache, head_dim**-0.5)
+        )
 
 
 def compile_for_h200(launches: dict[str, list[list]]) -> list[str]:

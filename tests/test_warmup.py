@@ -14,8 +14,8 @@ import pytest
 import torch
 from graph_emulation import EmulatedCapturer
 
-import srt.model_executor.cuda_graph_runner as cuda_graph_runner
-import srt.model_executor.graph_memory as graph_memory
+import srt.model_executor.graphs.full as cuda_graph_runner
+import srt.model_executor.graphs.pool as graph_memory
 from srt import Engine
 from srt.batch_layout import DUMMY_SLOT, ForwardMode
 from srt.model_executor.jit_misses import (
@@ -134,7 +134,7 @@ def test_compiled_phases_warm_up_on_the_general_graph_only(
         graphs = eng.get_server_info()["graphs"]
         for phase in ("decode", "prefill"):
             assert {b["state"] for b in graphs[phase]["buckets"]} == {"unseen"}
-            assert graphs[phase]["general_runs"] == graphs[phase].get("uncaptured_runs", 0) == 0
+            assert graphs[phase]["forward"]["general_runs"] == graphs[phase]["uncaptured_runs"] == 0
         assert not eng.runner.compile_cache.manifest.buckets
 
 

@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         if ns.model_shape:
             rows = bench(ns, write_model_shape(ns.model_shape, Path(tmp)), random_weights=True)
         else:
-            from srt.model_config import resolve_model_path
+            from srt.tools.make_tiny_model import resolve_model_path
 
             path = resolve_model_path(ns.model_path)
             rows = bench(ns, Path(path), random_weights=False)

@@ -35,12 +35,13 @@ from tqdm import tqdm
 
 from srt.batch_layout import ForwardMode
 from srt.bench.report import append_jsonl, format_table, machine
-from srt.managers.io_struct import BatchPlan
-from srt.model_config import ModelConfig, resolve_model_path
-from srt.model_executor.graph_config import Phase
+from srt.ipc.messages import BatchPlan
+from srt.model_config import ModelConfig
+from srt.model_executor.graphs.config import Phase
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.rank_processes import running_ranks
 from srt.server_args import ServerArgs
+from srt.tools.make_tiny_model import resolve_model_path
 from srt.tools.model_shapes import MODEL_SHAPES, write_model_shape
 
 STEP_ANNOTATION = "srt_decode_step"

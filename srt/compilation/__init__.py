@@ -14,6 +14,6 @@
 Design and how to read the logs: docs/compilation.md.
 """
 
-from srt.compilation.custom_ops import register_custom_op, register_split_op, split_ops
+from srt.compilation.op_registry import register_custom_op, register_split_op, split_ops
 
 __all__ = ["register_custom_op", "register_split_op", "split_ops"]

@@ -23,9 +23,9 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from srt.compilation.cache import CompileCache
-from srt.compilation.custom_ops import split_ops
 from srt.compilation.dispatch import PieceFn, Router
 from srt.compilation.errors import ShapeSpecializationError
+from srt.compilation.op_registry import split_ops
 from srt.compilation.piece_compiler import CompiledPiece, compile_piece, load_piece
 from srt.compilation.split import SplitGraph, piece_signature, readable_graph, split_graph
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from srt.compilation.custom_ops import split_ops
+from srt.compilation.op_registry import split_ops
 
 if TYPE_CHECKING:
     from srt.compilation.piecewise_model import PiecewiseModel

@@ -40,9 +40,9 @@ from torch import nn
 
 from srt.compilation.backend import MIN_TOKENS, PiecewiseBackend, recording_token_decisions
 from srt.compilation.cache import CompileCache
-from srt.compilation.custom_ops import inductor_trace, split_ops
 from srt.compilation.dispatch import BucketDispatcher, PieceFn, Router
 from srt.compilation.errors import CompilationError, GraphBreakError, ShapeSpecializationError
+from srt.compilation.op_registry import inductor_trace, split_ops
 
 if TYPE_CHECKING:  # imports Dynamo, which only tracing or loading needs
     from torch._dynamo.aot_compile import AOTCompiledFunction

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from srt.compilation.custom_ops import is_split_op, op_qualname
+from srt.compilation.op_registry import is_split_op, op_qualname
 
 
 @dataclass

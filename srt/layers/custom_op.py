@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import nn
 
-from srt.compilation.custom_ops import in_inductor_trace
-from srt.custom_op_selection import OpImpl
+from srt.compilation.op_registry import in_inductor_trace
+from srt.op_selection import OpImpl
 
 
 class CustomOp(nn.Module):

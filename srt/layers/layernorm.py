@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from srt.compilation.custom_ops import register_custom_op
+from srt.compilation.op_registry import register_custom_op
 from srt.layers.custom_op import CustomOp
 
 

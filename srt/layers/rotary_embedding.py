@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from srt.compilation.custom_ops import register_custom_op
+from srt.compilation.op_registry import register_custom_op
 from srt.layers.custom_op import CustomOp
 
 

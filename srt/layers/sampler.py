@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from srt.custom_op_selection import HAS_TRITON
+from srt.op_selection import HAS_TRITON
 
 _MASK32 = 0xFFFFFFFF
 

@@ -21,8 +21,7 @@ from srt.compilation.cache import (
     point_tool_caches,
 )
 from srt.compilation.compile_info import compile_info
-from srt.compilation.custom_ops import split_ops
-from srt.custom_op_selection import OpImpl, asks_for_kernels, kernels_missing, resolve_custom_ops
+from srt.compilation.op_registry import split_ops
 from srt.distributed import (
     broadcast_object,
     destroy_tp,
@@ -32,25 +31,22 @@ from srt.distributed import (
     kv_head_shard,
     min_over_ranks,
 )
+from srt.forward_batch import ForwardBatch, forward_batch_from_host, to_device_packed
+from srt.ipc.messages import BatchPlan, BatchResult
+from srt.ipc.reports import jsonable
 from srt.layers.attention.base import attention_backend_class
 from srt.layers.custom_op import apply_custom_ops, custom_ops_info, describe_custom_ops
 from srt.layers.sampler import SamplingArrays, SamplingBuffers, logprobs_of, sample
-from srt.managers.io_struct import BatchPlan, BatchResult
 from srt.model_config import ModelConfig
-from srt.model_executor.cuda_graph_runner import init_attention_graph_state
-from srt.model_executor.forward_batch import ForwardBatch, forward_batch_from_host, to_device_packed
-from srt.model_executor.graph_config import Backend, resolve_graph_config
-from srt.model_executor.graph_memory import GraphPool
-from srt.model_executor.graph_runner import (
-    GraphRunner,
-    RunnerEnv,
-    create_phase_runner,
-    phase_mode,
-)
+from srt.model_executor.graphs.config import Backend, resolve_graph_config
+from srt.model_executor.graphs.graph_runner import GraphRunner, init_attention_graph_state
+from srt.model_executor.graphs.phase_forward import RunnerEnv
+from srt.model_executor.graphs.pool import GraphPool
 from srt.model_executor.jit_misses import JitMissLog
 from srt.model_executor.kv_cache import KVCache, kv_bytes_per_token
 from srt.model_executor.model_loader import load_model
 from srt.model_executor.warmup import WARMUP_ROW, warmup_plans
+from srt.op_selection import OpImpl, asks_for_kernels, kernels_missing, resolve_custom_ops
 from srt.server_args import ServerArgs
 from srt.tp_rank import TPRank
 
@@ -177,8 +173,7 @@ class ModelRunner:
             self.graph_configs,
         )
         self.phase_runners = {
-            phase_mode(phase): create_phase_runner(phase, c, env)
-            for phase, c in self.graph_configs.items()
+            phase.mode: GraphRunner(phase, c, env) for phase, c in self.graph_configs.items()
         }
         init_attention_graph_state(self.phase_runners.values(), env)
         self.piecewise = env.piecewise  # the compiled phases' traced model, if any
@@ -243,7 +238,6 @@ class ModelRunner:
             plan.prefix_lens,
             plan.extend_lens,
             self.req_to_token,
-            self.attn_backend,
             plan.input_from_prev,
             self.last_sampled,
         )
@@ -284,7 +278,7 @@ class ModelRunner:
         with torch.inference_mode():
             for phase, config in self.graph_configs.items():
                 buckets = config.bs if mode == "upfront" else recorded.get(phase.value, [])
-                self.phase_runners[phase_mode(phase)].prewarm(buckets)
+                self.phase_runners[phase.mode].prewarm(buckets)
         seconds = time.perf_counter() - start
         logger.info("%s capture: %d graphs in %.2f s", mode, self.graph_pool.captures, seconds)
         return seconds
@@ -418,7 +412,7 @@ class ModelRunner:
             "compile": compile_info(self.piecewise),
             "custom_ops": custom_ops_info(self.custom_ops),
             "graphs": {
-                phase.value: self.phase_runners[phase_mode(phase)].info()
+                phase.value: jsonable(self.phase_runners[phase.mode].info())
                 for phase in self.graph_configs
             },
         }

@@ -16,13 +16,13 @@ from typing import Any
 
 import zmq
 
-from srt.managers.io_struct import BatchPlan, InfoReq, RunnerReady
-from srt.managers.ipc import Endpoints, bind_pull, connect_push, recv, send
-from srt.managers.timeline import StepTimeline
+from srt.ipc.channels import Endpoints, bind_pull, connect_push, recv, send
+from srt.ipc.messages import BatchPlan, InfoReq, RunnerReady
 from srt.model_config import ModelConfig
 from srt.model_executor.model_runner import ModelRunner, PendingResult
 from srt.process import ReadyPipe, run_child
 from srt.server_args import ServerArgs
+from srt.timeline import StepTimeline
 from srt.tp_rank import TPRank
 
 logger = logging.getLogger(__name__)

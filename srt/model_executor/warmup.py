@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from srt.batch_layout import DUMMY_SLOT, ForwardMode
-from srt.managers.io_struct import BatchPlan
+from srt.ipc.messages import BatchPlan
 
 WARMUP_ROW = 0
 WARMUP_PREFIX = 16  # cached tokens before the new ones: more than one KV block of the kernels

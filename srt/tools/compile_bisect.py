@@ -44,11 +44,14 @@ from srt.compilation.dispatch import BucketDispatcher, PieceFn
 from srt.compilation.piece_compiler import aot_eager
 from srt.compilation.piecewise_model import PiecewiseModel
 from srt.compilation.split import SplitGraph
-from srt.managers.io_struct import BatchPlan
-from srt.model_config import ModelConfig, resolve_model_path
-from srt.model_executor.forward_batch import ForwardBatch, forward_context
+from srt.forward_batch import ForwardBatch
+from srt.ipc.messages import BatchPlan
+from srt.layers.attention.base import AttentionBackend
+from srt.layers.attention.layer import eager_forward_context
+from srt.model_config import ModelConfig
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs, ServerArgsError
+from srt.tools.make_tiny_model import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -314,16 +317,14 @@ def _piece_module(split: SplitGraph, piece: int) -> fx.GraphModule:
 
 
 def _eager_forward(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
-    batch.attn_backend.init_forward_metadata(batch)
-    with torch.inference_mode(), forward_context(batch):
+    with torch.inference_mode(), eager_forward_context(batch, runner.attn_backend):
         return runner.model(batch.input_ids, batch.positions).clone()
 
 
 def _split_forward(
-    piecewise: PiecewiseModel, batch: ForwardBatch, pieces: list[PieceFn]
+    piecewise: PiecewiseModel, batch: ForwardBatch, backend: AttentionBackend, pieces: list[PieceFn]
 ) -> torch.Tensor:
-    batch.attn_backend.init_forward_metadata(batch)
-    with forward_context(batch):
+    with eager_forward_context(batch, backend):
         return piecewise(batch.input_ids, batch.positions, BucketDispatcher(pieces), None).clone()
 
 
@@ -367,8 +368,7 @@ def bisect(
         cache=cache,
         max_tokens=max(batch.num_tokens, MIN_TOKENS),
     )
-    batch.attn_backend.init_forward_metadata(batch)
-    with forward_context(batch):
+    with eager_forward_context(batch, runner.attn_backend):
         piecewise.trace(batch.input_ids, batch.positions)
     if piece_hook is not None:
         piece_hook(piecewise)
@@ -380,11 +380,15 @@ def bisect(
     weights = {t.untyped_storage().data_ptr() for t in runner.model.state_dict().values()}
     recording, records = record_pieces(piecewise.general("eager"), weights)
     with torch.inference_mode():
-        traced = compare(_split_forward(piecewise, batch, recording), expected, atol, rtol)
+        traced = compare(
+            _split_forward(piecewise, batch, runner.attn_backend, recording), expected, atol, rtol
+        )
         reports = []
         for compiler in compilers:
             general = piecewise.general(compiler)
-            forward = compare(_split_forward(piecewise, batch, general), expected, atol, rtol)
+            forward = compare(
+                _split_forward(piecewise, batch, runner.attn_backend, general), expected, atol, rtol
+            )
             report = CompilerReport(compiler, forward)
             for i, (fn, rec) in enumerate(zip(general, records, strict=True)):
                 out = fn(*_clone(rec.args, weights))

@@ -382,6 +382,13 @@ def default_model_dir() -> Path:
     return target
 
 
+def resolve_model_path(model_path: str | None) -> str:
+    """The model to serve: the given path, else the built-in tiny model (made on first use)."""
+    if model_path:
+        return model_path
+    return str(default_model_dir())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m srt.tools.make_tiny_model",

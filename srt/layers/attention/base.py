@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 
 from srt.batch_layout import ForwardMode
-from srt.custom_op_selection import HAS_TRITON
-from srt.model_executor.forward_batch import ForwardBatch
+from srt.forward_batch import ForwardBatch
+from srt.op_selection import HAS_TRITON
+
+
+class AttentionInputs(NamedTuple):
+    """What the attention op gives a backend for one layer of a step."""
+
+    q: torch.Tensor  # [T, Hq * D]
+    k: torch.Tensor  # [T, Hkv * D]: the new tokens' keys, written into the cache at their slots
+    v: torch.Tensor  # [T, Hkv * D]
+    out: torch.Tensor  # [T, Hq * D], written
+    k_cache: torch.Tensor  # [slots, Hkv, D], this layer's
+    v_cache: torch.Tensor
+    scaling: float
 
 
 class AttentionBackend(ABC):
@@ -33,27 +46,28 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
 
-    def write_kv(
-        self,
-        loc: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> None:
-        """The one place a step's new K and V (`[T, Hkv * D]`) go into the cache, at the slots
-        `loc` (`[T]`): one Triton launch for both on CUDA (where the backend allows it),
-        indexed assignment otherwise."""
+    def write_kv(self, loc: torch.Tensor, x: AttentionInputs) -> None:
+        """The one place a step's new K and V go into the cache, at the slots `loc` (`[T]`):
+        one Triton launch for both on CUDA (where the backend allows it), indexed assignment
+        otherwise."""
         t = loc.shape[0]
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        k = x.k.view(t, self.num_kv_heads, self.head_dim)
+        v = x.v.view(t, self.num_kv_heads, self.head_dim)
         if self.kv_write_kernel and k.is_cuda and HAS_TRITON:
             from srt.layers.attention.triton_ops.kv_write import write_kv
 
-            write_kv(k_cache, v_cache, loc, k, v)
+            write_kv(x.k_cache, x.v_cache, loc, k, v)
         else:
-            k_cache[loc] = k
-            v_cache[loc] = v
+            x.k_cache[loc] = k
+            x.v_cache[loc] = v
+
+    def heads(self, x: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """`q` and `out` as [T, Hq, D]."""
+        t = x.q.shape[0]
+        return (
+            x.q.view(t, self.num_heads, self.head_dim),
+            x.out.view(t, self.num_heads, self.head_dim),
+        )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:  # noqa: B027 (optional hook)
         """Set `batch.attn_metadata` for its forward, once, before any layer runs."""
@@ -105,17 +119,7 @@ class AttentionBackend(ABC):
         self.init_forward_metadata(batch)
 
     @abstractmethod
-    def forward(
-        self,
-        batch: ForwardBatch,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scaling: float,
-    ) -> None: ...
+    def forward(self, batch: ForwardBatch, x: AttentionInputs) -> None: ...
 
 
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from srt.batch_layout import DUMMY_SLOT, ForwardMode
-from srt.layers.attention.base import AttentionBackend
-from srt.model_executor.forward_batch import ForwardBatch
+from srt.forward_batch import ForwardBatch
+from srt.layers.attention.base import AttentionBackend, AttentionInputs
 
 try:
     import flashinfer
@@ -183,37 +183,25 @@ class FlashInferBackend(AttentionBackend):
 
     # ---- the layer op ----
 
-    def forward(
-        self,
-        batch: ForwardBatch,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scaling: float,
-    ) -> None:
+    def forward(self, batch: ForwardBatch, x: AttentionInputs) -> None:
         step = batch.attn_metadata
         if not isinstance(step, FlashInferStep):
             raise RuntimeError("flashinfer attention: init_forward_metadata must run first")
-        dtypes = {"q_data_type": q.dtype, "kv_data_type": k_cache.dtype, "sm_scale": scaling}
+        dtypes = {"q_data_type": x.q.dtype, "kv_data_type": x.k_cache.dtype, "sm_scale": x.scaling}
         if step.planned and step.planned != dtypes:
             raise RuntimeError(f"flashinfer attention was planned for {step.planned}, got {dtypes}")
         if step.plan_id != self.plans:  # not planned yet, or another step was planned since
-            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            if x.q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     f"flashinfer attention: the step being captured is not planned for {dtypes} "
                     "(the replay hook plans it once a warm-up has run a layer)"
                 )
             self.dtypes = dtypes
             self._plan(step)
-        t = q.shape[0]
-        self.write_kv(step.out_cache_loc, k, v, k_cache, v_cache)
-        q = q.view(t, self.num_heads, self.head_dim)
-        o = out.view(t, self.num_heads, self.head_dim)
+        self.write_kv(step.out_cache_loc, x)
+        q, o = self.heads(x)
         # Page size 1, NHD: [slots, 1, Hkv, D].
-        kv = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
+        kv = (x.k_cache.unsqueeze(1), x.v_cache.unsqueeze(1))
         step.wrapper.run(q[: step.rows], kv, out=o[: step.rows])
         o[step.rows :].zero_()
         if step.pad_rows is not None:

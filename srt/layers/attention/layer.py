@@ -1,34 +1,65 @@
-"""The attention layer and its custom op `srt::attention`, a split op of the piecewise graph.
+"""The attention layer, its custom op `srt::attention` (a split op of the piecewise graph), and
+the forward context the op reads.
 
-The op is opaque to the compiler: it writes the step's K and V into the paged cache and the
-result into `out`, reading per-step metadata from the current forward batch.
+The op is opaque to the compiler and is called with tensors only (compiled code passes it
+nothing else), so what it needs besides them, this step's batch and the attention backend
+that runs it, comes from the forward context: whoever runs a forward (the runner's phase
+forwards and captures, the tools) sets it around the call. It writes the step's K and V into
+the paged cache and the result into `out`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from srt.compilation.custom_ops import register_custom_op, register_split_op
-from srt.model_executor.forward_batch import get_forward_batch
+from srt.compilation.op_registry import register_custom_op, register_split_op
+from srt.forward_batch import ForwardBatch
+from srt.layers.attention.base import AttentionBackend, AttentionInputs
 
 
-def _attention_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scaling: float,
-) -> None:
-    return None
+@dataclass(frozen=True)
+class ForwardContext:
+    batch: ForwardBatch
+    backend: AttentionBackend
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(batch: ForwardBatch, backend: AttentionBackend) -> Iterator[ForwardBatch]:
+    """Run the layers inside this: their attention reads `batch` (and the metadata its
+    backend's hook set on it) and is computed by `backend`."""
+    global _current
+    previous, _current = _current, ForwardContext(batch, backend)
+    try:
+        yield batch
+    finally:
+        _current = previous
+
+
+@contextmanager
+def eager_forward_context(batch: ForwardBatch, backend: AttentionBackend) -> Iterator[ForwardBatch]:
+    """`forward_context` of an eager (uncaptured) step: `backend`'s metadata for `batch` is
+    prepared first."""
+    backend.init_forward_metadata(batch)
+    with forward_context(batch, backend):
+        yield batch
+
+
+def current_forward() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention ran outside a forward_context")
+    return _current
 
 
 @register_split_op
-@register_custom_op(
-    "attention", mutates_args=("out", "k_cache", "v_cache"), fake_impl=_attention_fake
-)
+@register_custom_op("attention", mutates_args=("out", "k_cache", "v_cache"))
 def attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -38,8 +69,8 @@ def attention_op(
     v_cache: torch.Tensor,
     scaling: float,
 ) -> None:
-    batch = get_forward_batch()
-    batch.attn_backend.forward(batch, q, k, v, out, k_cache, v_cache, scaling)
+    ctx = current_forward()
+    ctx.backend.forward(ctx.batch, AttentionInputs(q, k, v, out, k_cache, v_cache, scaling))
 
 
 class Attention(nn.Module):

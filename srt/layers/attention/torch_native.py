@@ -8,28 +8,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from srt.layers.attention.base import AttentionBackend
-from srt.model_executor.forward_batch import ForwardBatch
+from srt.forward_batch import ForwardBatch
+from srt.layers.attention.base import AttentionBackend, AttentionInputs
 
 
 class TorchNativeBackend(AttentionBackend):
     kv_write_kernel = False  # the reference of every kernel, the KV write's too
 
-    def forward(
-        self,
-        batch: ForwardBatch,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scaling: float,
-    ) -> None:
-        t = q.shape[0]
-        self.write_kv(batch.out_cache_loc, k, v, k_cache, v_cache)
-        q = q.view(t, self.num_heads, self.head_dim)
-        o = out.view(t, self.num_heads, self.head_dim)
+    def forward(self, batch: ForwardBatch, x: AttentionInputs) -> None:
+        self.write_kv(batch.out_cache_loc, x)
+        q, o = self.heads(x)
+        k_cache, v_cache = x.k_cache, x.v_cache
         start = 0
         for row, prefix, extend in zip(
             batch.req_pool_indices_cpu,
@@ -39,7 +28,7 @@ class TorchNativeBackend(AttentionBackend):
         ):
             slots = batch.req_to_token[row, : prefix + extend]
             o[start : start + extend] = attend(
-                q[start : start + extend], k_cache[slots], v_cache[slots], prefix, scaling
+                q[start : start + extend], k_cache[slots], v_cache[slots], prefix, x.scaling
             )
             start += extend
         o[batch.num_tokens :] = 0

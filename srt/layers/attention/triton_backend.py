@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from srt.batch_layout import ForwardMode
-from srt.layers.attention.base import AttentionBackend
+from srt.forward_batch import ForwardBatch
+from srt.layers.attention.base import AttentionBackend, AttentionInputs
 from srt.layers.attention.triton_ops.decode_attention import (
     decode_attention,
     num_decode_splits,
@@ -35,7 +36,6 @@ from srt.layers.attention.triton_ops.extend_attention import (
     extend_tiles,
     max_extend_tiles,
 )
-from srt.model_executor.forward_batch import ForwardBatch
 
 NUM_FIELDS = 5  # table row, seq len, prefix len, extend len, first token
 # Every row of the metadata starts on a 16-byte boundary (a multiple of 4 int32s): Triton
@@ -213,20 +213,10 @@ class TritonBackend(AttentionBackend):
 
     # ---- the layer op ----
 
-    def forward(
-        self,
-        batch: ForwardBatch,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scaling: float,
-    ) -> None:
+    def forward(self, batch: ForwardBatch, x: AttentionInputs) -> None:
         # Per-step data comes from the batch only (views of the static buffers when captured).
         step = batch.attn_metadata
-        t = q.shape[0]
+        t = x.q.shape[0]
         if not isinstance(step, StepMetadata) or step.layout.num_tokens != t:
             raise RuntimeError(
                 f"triton attention: no metadata for a step of {t} tokens "
@@ -237,28 +227,27 @@ class TritonBackend(AttentionBackend):
                 "triton attention: the static metadata buffers were refilled for another batch "
                 "since this one's (init_forward_metadata_replay must run for the batch that runs)"
             )
-        self.write_kv(step.out_cache_loc, k, v, k_cache, v_cache)
-        q = q.view(t, self.num_heads, self.head_dim)
-        o = out.view(t, self.num_heads, self.head_dim)
+        self.write_kv(step.out_cache_loc, x)
+        q, o = self.heads(x)
         req_rows, seq_lens, prefix_lens, extend_lens, extend_starts = step.fields
         if step.layout.decode:
             decode_attention(
                 q,
-                k_cache,
-                v_cache,
+                x.k_cache,
+                x.v_cache,
                 o,
                 batch.req_to_token,
                 req_rows,
                 seq_lens,
                 step.part_out,
                 step.part_lse,
-                scaling,
+                x.scaling,
             )
         else:
             extend_attention(
                 q,
-                k_cache,
-                v_cache,
+                x.k_cache,
+                x.v_cache,
                 o,
                 batch.req_to_token,
                 req_rows,
@@ -267,5 +256,5 @@ class TritonBackend(AttentionBackend):
                 extend_starts,
                 seq_lens,
                 step.tiles,
-                scaling,
+                x.scaling,
             )

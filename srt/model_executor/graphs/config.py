@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from srt.batch_layout import ForwardMode
 from srt.compilation.piece_compiler import COMPILERS
 from srt.server_args import ServerArgs
 
@@ -22,6 +23,11 @@ logger = logging.getLogger(__name__)
 class Phase(enum.StrEnum):
     PREFILL = "prefill"  # buckets are token counts
     DECODE = "decode"  # buckets are batch sizes
+
+    @property
+    def mode(self) -> ForwardMode:
+        """The step kind this phase runs."""
+        return ForwardMode.DECODE if self is Phase.DECODE else ForwardMode.EXTEND
 
 
 class Backend(enum.StrEnum):

@@ -10,8 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from srt.entrypoints.http_common import EventStream, sse, unless_disconnected
-from srt.entrypoints.openai_protocol import (
+from srt.errors import InvalidRequest
+from srt.server.http.common import EventStream, sse, unless_disconnected
+from srt.server.http.openai_protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,10 +23,9 @@ from srt.entrypoints.openai_protocol import (
     now,
     usage,
 )
-from srt.errors import InvalidRequest
-from srt.managers.frontend import Seq
-from srt.managers.outputs import SeqResult, SeqUpdate
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.server.request_frontend import Seq
+from srt.server.seq_outputs import SeqResult, SeqUpdate
+from srt.server.tokenizer_manager import TokenizerManager
 
 
 def openai_router(manager: TokenizerManager) -> APIRouter:

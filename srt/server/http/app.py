@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from srt.entrypoints.http_common import ApiKeyMiddleware, OrjsonResponse, install_error_handlers
-from srt.entrypoints.native_api import native_router
-from srt.entrypoints.openai_api import openai_router
-from srt.entrypoints.server_api import HEALTH_PATH, server_router
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.server.http.common import ApiKeyMiddleware, OrjsonResponse, install_error_handlers
+from srt.server.http.native_api import native_router
+from srt.server.http.openai_api import openai_router
+from srt.server.http.server_api import HEALTH_PATH, server_router
+from srt.server.tokenizer_manager import TokenizerManager
 
 
 def create_app(manager: TokenizerManager) -> FastAPI:

@@ -9,9 +9,10 @@ that serves any shape, moving no bucket state or counter (the warm-up before rea
   its reference as `--custom-ops` chose;
 - `GeneralGraphForward`: the model traced once, split at the split ops, its pieces compiled
   once for every token count (`tc_compiler` eager or inductor) and cached, attention ops
-  between them. Both phases share the one `PiecewiseModel`. With a per-piece specializer
-  (tc_piecewise's CUDA graph per piece) a bucket's calls are routed to it; without one every
-  call runs the general pieces (a whole-forward capture records those);
+  between them. Both phases share the one `PiecewiseModel`. Once a capture kind routes its
+  pieces (`route_pieces`: tc_piecewise's CUDA graph per piece) a bucket's piece calls go to
+  that specializer; otherwise every call runs the general pieces (a whole-forward capture
+  records those);
 - `PerBucketCompiledForward`: SGLang's `--enable-torch-compile`: the forward compiled by
   Inductor for each bucket's static shape up to `--torch-compile-max-bs`, on its first hit.
 
@@ -20,25 +21,50 @@ that serves any shape, moving no bucket state or counter (the warm-up before rea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from srt.batch_layout import ForwardMode
-from srt.compilation.custom_ops import inductor_trace
 from srt.compilation.dispatch import BucketDispatcher, Specializer, run_general
-from srt.model_executor.forward_batch import ForwardBatch, forward_context
-from srt.model_executor.graph_config import Backend, PhaseConfig
-from srt.model_executor.static_batch import dummy_batch
+from srt.compilation.op_registry import inductor_trace
+from srt.forward_batch import ForwardBatch
+from srt.ipc.reports import ForwardInfo
+from srt.layers.attention.base import AttentionBackend
+from srt.layers.attention.layer import forward_context
+from srt.model_executor.graphs.config import Backend, Phase, PhaseConfig
+from srt.model_executor.graphs.pool import GraphPool
+from srt.model_executor.graphs.static_batch import dummy_batch
 
 if TYPE_CHECKING:  # the compiler is imported only when a phase compiles
+    from srt.compilation.cache import CompileCache
     from srt.compilation.piecewise_model import PiecewiseModel
-    from srt.model_executor.graph_runner import RunnerEnv
     from srt.models.llama import LlamaForCausalLM
+    from srt.server_args import ServerArgs
 
 # Every compiled bucket is one Dynamo cache entry of the same code; the default limit (8)
 # would fall back to eager after the 8th bucket.
 RECOMPILE_LIMIT = 1024
+
+
+@dataclass
+class RunnerEnv:
+    """What the phase runners of one model runner are built from (shared by both phases)."""
+
+    model: LlamaForCausalLM
+    attn_backend: AttentionBackend
+    req_to_token: torch.Tensor
+    max_requests: int  # the most requests in one batch
+    pool: GraphPool
+    cache: CompileCache | None  # pieces and the bucket manifest; None when all phases are eager
+    args: ServerArgs
+    configs: dict[Phase, PhaseConfig]  # both phases' (tc_piecewise compiles for both at once)
+    piecewise: PiecewiseModel | None = None  # traced once, by the first phase that compiles
+
+    @property
+    def device(self) -> torch.device:
+        return self.req_to_token.device
 
 
 def logits_of(
@@ -74,32 +100,42 @@ class ModelForward(Protocol):
 
     def general(self, batch: ForwardBatch) -> torch.Tensor: ...
 
-    def info(self) -> dict[str, Any]: ...
+    def route_pieces(self, specializer: Specializer) -> None:
+        """Send a bucket's piece calls to `specializer` (a forward of compiled pieces only)."""
+        ...
+
+    def info(self) -> ForwardInfo: ...
 
 
 class EagerForward:
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend) -> None:
         self.model = model
+        self.backend = backend
 
     def __call__(self, batch: ForwardBatch, bucket: int | None) -> torch.Tensor:
-        with forward_context(batch):
+        with forward_context(batch, self.backend):
             return logits_of(self.model, *forward_inputs(batch))
 
     def general(self, batch: ForwardBatch) -> torch.Tensor:
         return self(batch, None)
 
-    def info(self) -> dict[str, Any]:
-        return {}
+    def route_pieces(self, specializer: Specializer) -> None:
+        raise TypeError("the eager forward has no pieces (tc_piecewise compiles its forward)")
+
+    def info(self) -> ForwardInfo:
+        return ForwardInfo("eager")
 
 
 class GeneralGraphForward:
-    def __init__(self, env: RunnerEnv, compiler: str, per_piece: Specializer | None = None) -> None:
+    def __init__(self, env: RunnerEnv, compiler: str) -> None:
         self.env = env
         self.compiler = compiler
         self.model = shared_piecewise_model(env)
-        general = self.model.general(compiler)
-        self.per_piece = per_piece is not None
-        self.dispatcher = BucketDispatcher(general, per_piece or run_general)
+        self.dispatcher = BucketDispatcher(self.model.general(compiler), run_general)
+        self.per_piece = False  # whether a bucket's piece calls go to a specializer
+
+    def route_pieces(self, specializer: Specializer) -> None:
+        self.dispatcher.specializer, self.per_piece = specializer, True
 
     def __call__(self, batch: ForwardBatch, bucket: int | None) -> torch.Tensor:
         return self._logits(batch, self.dispatcher, bucket if self.per_piece else None)
@@ -116,26 +152,29 @@ class GeneralGraphForward:
                 f"a batch of {batch.padded_tokens} tokens exceeds the {self.model.max_tokens} "
                 "the graph was compiled for (--max-prefill-tokens)"
             )
-        with forward_context(batch):
+        with forward_context(batch, self.env.attn_backend):
             hidden = self.model(batch.input_ids, batch.positions, dispatcher, bucket)
         return last_token_logits(self.env.model, hidden, batch.extend_start_loc, batch.extend_lens)
 
-    def info(self) -> dict[str, Any]:
-        return {"tc_compiler": self.compiler, "general_runs": self.dispatcher.general_runs}
+    def info(self) -> ForwardInfo:
+        return ForwardInfo(
+            "general_graph", tc_compiler=self.compiler, general_runs=self.dispatcher.general_runs
+        )
 
 
 class PerBucketCompiledForward:
     def __init__(self, env: RunnerEnv) -> None:
         self.model = env.model
+        self.backend = env.attn_backend
         self.max_bs = env.args.torch_compile_max_bs
         self.compiled = torch.compile(logits_of, dynamic=False)
-        self.eager = EagerForward(env.model)
+        self.eager = EagerForward(env.model, env.attn_backend)
 
     def __call__(self, batch: ForwardBatch, bucket: int | None) -> torch.Tensor:
         if bucket is None or bucket > self.max_bs:
             return self.eager(batch, bucket)
         with (
-            forward_context(batch),
+            forward_context(batch, self.backend),
             torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
             inductor_trace(True),
         ):
@@ -144,21 +183,21 @@ class PerBucketCompiledForward:
     def general(self, batch: ForwardBatch) -> torch.Tensor:
         return self.eager(batch, None)
 
-    def info(self) -> dict[str, Any]:
-        return {"torch_compile_max_bs": self.max_bs}
+    def route_pieces(self, specializer: Specializer) -> None:
+        raise TypeError("a per-bucket compile has no pieces (tc_piecewise compiles its forward)")
+
+    def info(self) -> ForwardInfo:
+        return ForwardInfo("per_bucket_compile", torch_compile_max_bs=self.max_bs)
 
 
-def make_forward(
-    config: PhaseConfig, env: RunnerEnv, per_piece: Specializer | None = None
-) -> ModelForward:
+def make_forward(config: PhaseConfig, env: RunnerEnv) -> ModelForward:
     """The phase's forward: the compiled general graph with a tc compiler, SGLang's
-    per-bucket compile for a `full` phase under `--enable-torch-compile`, else eager.
-    `per_piece`: the specializer a bucket's piece calls go to (tc_piecewise)."""
+    per-bucket compile for a `full` phase under `--enable-torch-compile`, else eager."""
     if config.tc_compiler is not None:
-        return GeneralGraphForward(env, config.tc_compiler, per_piece)
+        return GeneralGraphForward(env, config.tc_compiler)
     if env.args.enable_torch_compile and config.backend is Backend.FULL:
         return PerBucketCompiledForward(env)
-    return EagerForward(env.model)
+    return EagerForward(env.model, env.attn_backend)
 
 
 def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
@@ -184,11 +223,9 @@ def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
         keep_shape_guards=args.keep_shape_guards,
     )
     # Trace with the largest bucket's size: Inductor tunes the general graph for its hint.
-    batch = dummy_batch(
-        ForwardMode.EXTEND, max(largest, MIN_TOKENS), env.req_to_token, env.attn_backend
-    )
-    batch.attn_backend.init_forward_metadata(batch)
-    with forward_context(batch):
+    batch = dummy_batch(ForwardMode.EXTEND, max(largest, MIN_TOKENS), env.req_to_token)
+    env.attn_backend.init_forward_metadata(batch)
+    with forward_context(batch, env.attn_backend):
         model.trace(batch.input_ids, batch.positions)
     env.piecewise = model
     return model

@@ -12,6 +12,7 @@ reference trace the reference there by default (`srt/layers/custom_op.py`).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -57,20 +58,31 @@ def register_custom_op(
     name: str,
     *,
     mutates_args: Iterable[str],
-    fake_impl: Callable[..., Any],
+    fake_impl: Callable[..., Any] | None = None,
     namespace: str = LIBRARY,
 ) -> Callable[[Callable[..., Any]], RegisteredOp]:
     """Define `<namespace>::<name>` (default `srt::<name>`) from the decorated function, with
-    `fake_impl` as its fake."""
+    `fake_impl` as its fake. An op that returns nothing (it only writes the arguments it
+    mutates) has nothing to fake: its fake is made here, so its signature is written once."""
 
     def decorator(fn: Callable[..., Any]) -> RegisteredOp:
         qualname = f"{namespace}::{name}"
+        fake = fake_impl
+        if fake is None:
+            if inspect.signature(fn).return_annotation not in (None, "None"):
+                raise TypeError(f"{qualname} returns a value: give its fake_impl")
+            fake = _returns_nothing
         op = torch.library.custom_op(qualname, mutates_args=tuple(mutates_args))(fn)
-        op.register_fake(fake_impl)
+        op.register_fake(fake)
         _custom_ops[qualname] = op
         return RegisteredOp(op, fn)
 
     return decorator
+
+
+def _returns_nothing(*args: Any, **kwargs: Any) -> None:
+    """The fake of an op that only mutates its arguments."""
+    return None
 
 
 def register_split_op(op: RegisteredOp) -> RegisteredOp:

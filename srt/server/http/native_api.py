@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from srt.entrypoints.http_common import EventStream, sse, unless_disconnected
-from srt.entrypoints.openai_protocol import GenerateRequest
-from srt.managers.frontend import Seq
-from srt.managers.outputs import SeqResult
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.server.http.common import EventStream, sse, unless_disconnected
+from srt.server.http.openai_protocol import GenerateRequest
+from srt.server.request_frontend import Seq
+from srt.server.seq_outputs import SeqResult
+from srt.server.tokenizer_manager import TokenizerManager
 
 
 def native_router(manager: TokenizerManager) -> APIRouter:

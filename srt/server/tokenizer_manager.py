@@ -23,8 +23,8 @@ import zmq
 import zmq.asyncio
 
 from srt.errors import InvalidRequest
-from srt.managers.frontend import RequestFrontend, RequestLimits, Seq
-from srt.managers.io_struct import (
+from srt.ipc.channels import Endpoints, bind_pull, connect_push, loads, send
+from srt.ipc.messages import (
     AbortReq,
     FlushCacheOutput,
     FlushCacheReq,
@@ -34,13 +34,14 @@ from srt.managers.io_struct import (
     StepOutputs,
     TokenOutput,
 )
-from srt.managers.ipc import Endpoints, bind_pull, connect_push, loads, send
-from srt.managers.metrics import ServerMetrics
-from srt.managers.outputs import SeqDecoder, SeqResult, SeqUpdate, coalesce
-from srt.managers.timeline import StepTimeline
-from srt.managers.tokenizer import load_tokenizer
 from srt.model_config import ModelConfig
+from srt.request_limits import RequestLimits
+from srt.server.hf_tokenizer import load_tokenizer
+from srt.server.metrics import ServerMetrics
+from srt.server.request_frontend import RequestFrontend, Seq
+from srt.server.seq_outputs import SeqDecoder, SeqResult, SeqUpdate, coalesce
 from srt.server_args import ServerArgs
+from srt.timeline import StepTimeline
 
 logger = logging.getLogger(__name__)
 

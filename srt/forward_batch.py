@@ -1,26 +1,22 @@
-"""The per-step batch on the device, and the context that lets custom ops read it.
+"""The per-step batch on the device: what the runner builds from a plan and attention reads.
 
 The model's forward takes only `(input_ids, positions)`, so it traces with one dynamic token
-dimension; everything else a step needs (KV slots, sequence lengths, the attention backend and
-its metadata) is read by the attention op from the current `ForwardBatch`, set around each
-forward.
+dimension; everything else a step needs (KV slots, sequence lengths, the attention metadata)
+is on the `ForwardBatch`, which the attention op reads from the forward context
+(`srt.layers.attention.layer.forward_context`). Defined below both the layers and the runner:
+neither knows the other.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from srt.batch_layout import ForwardMode
-
-if TYPE_CHECKING:
-    from srt.layers.attention.base import AttentionBackend
 
 
 @dataclass
@@ -41,8 +37,7 @@ class ForwardBatch:
     extend_lens_cpu: list[int]
     req_pool_indices_cpu: list[int]
     req_to_token: torch.Tensor  # [max_requests, context_len] token slot table
-    attn_backend: AttentionBackend
-    # What `attn_backend` prepared for this step: set by its `init_forward_metadata*` hooks,
+    # What the attention backend prepared for this step: set by its `init_forward_metadata*` hooks,
     # read by its `forward`. On the batch rather than the backend, so that a forward reads
     # the metadata of its own batch and no other; None until a hook runs, and on the copies
     # that reshape a batch (`pad_tokens`, `StaticBatch.load`, `real_requests`).
@@ -72,7 +67,6 @@ def forward_batch_from_host(
     prefix_lens: np.ndarray,
     extend_lens: np.ndarray,
     req_to_token: torch.Tensor,
-    attn_backend: AttentionBackend,
     input_from_prev: np.ndarray | None = None,
     prev_sampled: torch.Tensor | None = None,
 ) -> ForwardBatch:
@@ -117,27 +111,7 @@ def forward_batch_from_host(
         extend_lens_cpu=extend_lens.tolist(),
         req_pool_indices_cpu=req_pool_indices.tolist(),
         req_to_token=req_to_token,
-        attn_backend=attn_backend,
     )
-
-
-_current: ForwardBatch | None = None
-
-
-@contextmanager
-def forward_context(batch: ForwardBatch) -> Iterator[ForwardBatch]:
-    global _current
-    previous, _current = _current, batch
-    try:
-        yield batch
-    finally:
-        _current = previous
-
-
-def get_forward_batch() -> ForwardBatch:
-    if _current is None:
-        raise RuntimeError("attention ran outside a forward_context")
-    return _current
 
 
 def pad_tokens(batch: ForwardBatch, padded_tokens: int) -> ForwardBatch:

@@ -1,4 +1,4 @@
-"""The `breakable` graph backend: per bucket, a sequence of CUDA-graph segments split at the
+"""The `breakable` capture kind: per bucket, a sequence of CUDA-graph segments split at the
 split ops (the ops marked eager-on-graph with `@register_split_op`: attention).
 
 The bucket's forward (the phase's, compiled or not) runs once under a `TorchFunctionMode`
@@ -6,39 +6,28 @@ that ends the current segment at each split op, records the op and its arguments
 running it, and begins the next segment. On replay each segment replays, then its split op
 runs eagerly on the live batch (its metadata from `init_forward_metadata`, as in an eager
 step), writing into the output buffer the captured segments read. All segments share the
-runner's pool.
-
-The recorded arguments are held without owning their memory (`unowned`), so a captured
-bucket pins nothing in the pool: the next capture may reuse that memory, which is safe
-because graphs of one pool never run concurrently and everything a replay reads across
-segments is written by that same replay.
+runner's pool; the recorded arguments are held `unowned` (pool.py), so a captured bucket
+pins nothing in the pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
-from srt.compilation.custom_ops import split_ops
+from srt.compilation.op_registry import split_ops
+from srt.forward_batch import ForwardBatch
+from srt.ipc.reports import CaptureInfo
+from srt.layers.attention.layer import forward_context
 from srt.layers.sampler import SamplingArrays
-from srt.model_executor.forward_batch import ForwardBatch, forward_context
-from srt.model_executor.graph_memory import Captured, CaptureSession, Graph
-from srt.model_executor.graph_runner import GraphRunner, StaticLogits
-from srt.model_executor.static_batch import real_requests
-
-
-def unowned(t: torch.Tensor) -> torch.Tensor:
-    """A tensor on `t`'s memory that does not keep that memory allocated."""
-    storage = t.untyped_storage()
-    alias = torch._C._construct_storage_from_data_pointer(
-        storage.data_ptr(), t.device, storage.nbytes()
-    )
-    return t.new_empty(0).set_(alias, t.storage_offset(), t.shape, t.stride())
+from srt.model_executor.graphs.capture import CaptureContext, StaticLogits
+from srt.model_executor.graphs.pool import CaptureSession, Graph, unowned
+from srt.model_executor.graphs.static_batch import real_requests
 
 
 @dataclass
@@ -97,30 +86,27 @@ class SplitAtOps(TorchFunctionMode):
 
 
 class BreakableCapture:
-    """The `breakable` capture kind of a phase's `GraphRunner`."""
+    name: ClassVar[str] = "breakable"
+    warmup_runs: ClassVar[int] = 2
 
-    def __init__(self, runner: GraphRunner) -> None:
-        self.runner = runner
-        self.out = StaticLogits(runner.requests_for(runner.config.bs[-1]))
+    def __init__(self, ctx: CaptureContext) -> None:
+        self.ctx = ctx
+        self.out = StaticLogits(ctx.max_rows)
 
-    def specialise(self, padded: ForwardBatch, bucket: int) -> Captured[SegmentedGraph] | None:
-        return self.runner.env.pool.capture(
-            f"{self.runner.phase.value} bucket {bucket} (breakable)",
-            lambda: self.warmup(padded, bucket),
-            lambda session: self.record(padded, bucket, session),
-        )
+    def _eager_batch(self, padded: ForwardBatch) -> ForwardBatch:
+        """Eager attention takes the real requests (their token tensors stay padded)."""
+        batch = real_requests(padded)
+        self.ctx.attn_backend.init_forward_metadata(batch)
+        return batch
 
     def warmup(self, padded: ForwardBatch, bucket: int) -> None:
-        # Eager attention takes the real requests (their token tensors stay padded).
-        batch = real_requests(padded)
-        self.runner.env.attn_backend.init_forward_metadata(batch)
-        self.out.keep(self.runner.forward(batch, bucket))
+        self.out.keep(self.ctx.forward(self._eager_batch(padded), bucket))
 
     def record(self, padded: ForwardBatch, bucket: int, session: CaptureSession) -> SegmentedGraph:
         splitter = SplitAtOps(set(split_ops()), session)
         with splitter:
             session.begin()
-            logits = self.runner.forward(padded, bucket)
+            logits = self.ctx.forward(padded, bucket)
             self.out.view(logits.shape[0]).copy_(logits)
             splitter.segments.append(session.end())
         calls = [
@@ -134,9 +120,7 @@ class BreakableCapture:
         return SegmentedGraph(splitter.segments, calls)
 
     def replay(self, graph: SegmentedGraph, padded: ForwardBatch, bucket: int) -> torch.Tensor:
-        batch = real_requests(padded)
-        self.runner.env.attn_backend.init_forward_metadata(batch)
-        with forward_context(batch):
+        with forward_context(self._eager_batch(padded), self.ctx.attn_backend):
             graph.replay()
         return self.out.view(padded.batch_size)
 
@@ -146,5 +130,5 @@ class BreakableCapture:
     def take_sampled(self, arrays: SamplingArrays) -> torch.Tensor | None:
         return None  # sampled by the caller, from the logits
 
-    def info(self) -> dict[str, Any]:
-        return {"static_bytes": self.out.nbytes}
+    def info(self) -> CaptureInfo:
+        return CaptureInfo(static_bytes=self.out.nbytes)

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 
 from srt.batch_layout import DUMMY_SLOT, ForwardMode
-from srt.layers.attention.base import AttentionBackend
-from srt.model_executor.forward_batch import ForwardBatch, forward_batch_from_host
+from srt.forward_batch import ForwardBatch, forward_batch_from_host
 
 
 class StaticBatch:
@@ -49,30 +48,25 @@ class StaticBatch:
                 f"requests and {tokens} tokens"
             )
         decode = batch.mode == ForwardMode.DECODE
-        for buf, live, pad in (
-            (self.input_ids, batch.input_ids, 0),
-            (self.positions, batch.positions, 0),
-            (self.out_cache_loc, batch.out_cache_loc, DUMMY_SLOT),
-        ):
-            buf[:n].copy_(live[:n])
-            if tokens > n:
-                buf[n:tokens].fill_(pad)
         pad_len = 1 if decode else 0
-        for buf, live, pad in (
-            (self.req_pool_indices, batch.req_pool_indices, 0),
-            (self.seq_lens, batch.seq_lens, pad_len),
-            (self.prefix_lens, batch.prefix_lens, 0),
-            (self.extend_lens, batch.extend_lens, pad_len),
+        # Padded requests start at their own token (decode) or past the real tokens (prefill).
+        pad_start = self.arange[r:requests] if decode else n
+        for buf, live, used, size, pad in (
+            (self.input_ids, batch.input_ids, n, tokens, 0),
+            (self.positions, batch.positions, n, tokens, 0),
+            (self.out_cache_loc, batch.out_cache_loc, n, tokens, DUMMY_SLOT),
+            (self.req_pool_indices, batch.req_pool_indices, r, requests, 0),
+            (self.seq_lens, batch.seq_lens, r, requests, pad_len),
+            (self.prefix_lens, batch.prefix_lens, r, requests, 0),
+            (self.extend_lens, batch.extend_lens, r, requests, pad_len),
+            (self.extend_start_loc, batch.extend_start_loc, r, requests, pad_start),
         ):
-            buf[:r].copy_(live)
-            if requests > r:
-                buf[r:requests].fill_(pad)
-        self.extend_start_loc[:r].copy_(batch.extend_start_loc)
-        if requests > r:
-            if decode:
-                self.extend_start_loc[r:requests].copy_(self.arange[r:requests])
-            else:
-                self.extend_start_loc[r:requests].fill_(n)
+            buf[:used].copy_(live[:used])
+            tail = buf[used:size]
+            if isinstance(pad, torch.Tensor):
+                tail.copy_(pad)
+            elif size > used:
+                tail.fill_(pad)
         return dataclasses.replace(
             batch,
             input_ids=self.input_ids[:tokens],
@@ -106,7 +100,6 @@ def dummy_batch(
     mode: ForwardMode,
     tokens: int,
     req_to_token: torch.Tensor,
-    attn_backend: AttentionBackend,
 ) -> ForwardBatch:
     """A batch of `tokens` tokens to capture a bucket with before any real batch has come:
     decode, `tokens` requests of one token; prefill, as few requests as the table width allows.
@@ -128,5 +121,4 @@ def dummy_batch(
         prefix_lens=np.zeros_like(extend),
         extend_lens=extend,
         req_to_token=req_to_token,
-        attn_backend=attn_backend,
     )

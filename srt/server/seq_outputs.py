@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from srt.managers.io_struct import TokenOutput
-from srt.managers.tokenizer import IncrementalDetokenizer
+from srt.ipc.messages import TokenOutput
 from srt.sampling_params import SamplingParams
+from srt.server.detokenizer import IncrementalDetokenizer
 
 
 @dataclass

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from srt.managers.kv_allocator import TokenSlotAllocator
+from srt.scheduler.kv_allocator import TokenSlotAllocator
 
 if TYPE_CHECKING:
-    from srt.managers.scheduler import Req
+    from srt.scheduler.req import Req
 
 
 class _Node:

@@ -10,8 +10,8 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from srt.entrypoints.http_common import OrjsonResponse, error_response
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.server.http.common import OrjsonResponse, error_response
+from srt.server.tokenizer_manager import TokenizerManager
 
 HEALTH_PATH = "/health"  # open without the API key, for load balancers
 

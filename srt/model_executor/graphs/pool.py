@@ -11,6 +11,10 @@ the estimate of what the capture needs, and a capture that would grow the pool p
 budget is skipped (logged once; that bucket runs uncaptured). An out-of-memory error while
 warming up or capturing skips the bucket too: capture never crashes the server.
 
+Tensors a capture keeps for later replays without pinning their pool memory are held through
+`unowned` views: safe because graphs of one pool never run concurrently and everything a replay
+reads from the pool is written by that same replay.
+
 The capture action is injectable (`GraphPool.capturer`): `CudaGraphCapturer` records CUDA
 graphs; without CUDA there is nothing to capture (`capturer` is None) and the runners take
 their uncaptured path; tests plug in a capturer that emulates graphs on the CPU.
@@ -32,6 +36,15 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MiB = 2**20
+
+
+def unowned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on `t`'s memory that does not keep that memory allocated."""
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), t.device, storage.nbytes()
+    )
+    return t.new_empty(0).set_(alias, t.storage_offset(), t.shape, t.stride())
 
 
 class Graph(Protocol):

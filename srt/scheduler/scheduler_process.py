@@ -18,7 +18,8 @@ from typing import Any
 import zmq
 
 from srt.batch_layout import ForwardMode
-from srt.managers.io_struct import (
+from srt.ipc.channels import Endpoints, bind_pull, connect_push, recv, send
+from srt.ipc.messages import (
     AbortReq,
     BatchPlan,
     BatchResult,
@@ -31,12 +32,11 @@ from srt.managers.io_struct import (
     StepOutputs,
     TokenOutput,
 )
-from srt.managers.ipc import Endpoints, bind_pull, connect_push, recv, send
-from srt.managers.scheduler import Scheduler
-from srt.managers.timeline import StepTimeline
 from srt.model_config import ModelConfig
 from srt.process import ReadyPipe, run_child
+from srt.scheduler.scheduler import Scheduler
 from srt.server_args import ServerArgs
+from srt.timeline import StepTimeline
 
 logger = logging.getLogger(__name__)
 

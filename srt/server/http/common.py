@@ -19,7 +19,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from srt.managers.tokenizer_manager import ServerNotReady
+from srt.server.tokenizer_manager import ServerNotReady
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,83 @@
+"""A request as the scheduler tracks it, and a planned step's requests: what the scheduler's
+parts (admission, KV accounting, plan building, stop checks) and the prefix cache share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from srt.ipc.messages import BatchPlan
+from srt.sampling_params import SamplingParams
+
+NO_SLOTS = np.zeros(0, dtype=np.int32)
+
+
+@dataclass(eq=False)  # identity: requests are compared in queue lookups on the hot path
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stream: bool = False
+    max_new_tokens: int = 0  # the params' own, resolved by the front end before admission
+    output_ids: list[int] = field(default_factory=list)
+    row: int = -1  # request-to-token table row, -1 while waiting
+    # KV slots of tokens [0, kv_len): the first `num_slots` entries of a buffer that grows by
+    # doubling, so a decode step appends in O(1) instead of copying the whole history.
+    slot_buf: np.ndarray = field(default_factory=lambda: NO_SLOTS)
+    num_slots: int = 0
+    kv_len: int = 0  # tokens whose KV the steps planned so far write
+    table_len: int = 0  # entries of its row the runner has been sent
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    cache_node: Any = None  # prefix-cache node locked while the request runs
+    finished_reason: str | None = None
+    matched_stop: int | str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    steps_in_flight: int = 0  # planned steps with this request whose result is not back
+    pending_outputs: int = 0  # tokens those steps sample for it (not known here yet)
+    last_output_index: int = -1  # its row in the latest planned step's result
+    last_output_step: int = -1  # that step's number
+
+    @property
+    def slots(self) -> np.ndarray:
+        return self.slot_buf[: self.num_slots]
+
+    @slots.setter
+    def slots(self, slots: np.ndarray) -> None:
+        self.slot_buf, self.num_slots = slots, len(slots)
+
+    def add_slots(self, new: np.ndarray) -> None:
+        end = self.num_slots + len(new)
+        if end > len(self.slot_buf):
+            buf = np.empty(max(end, 2 * len(self.slot_buf), 64), np.int32)
+            buf[: self.num_slots] = self.slots
+            self.slot_buf = buf
+        self.slot_buf[self.num_slots : end] = new
+        self.num_slots = end
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.kv_len >= len(self.input_ids)
+
+    @property
+    def future_need(self) -> int:
+        """KV slots this request may still allocate."""
+        return len(self.input_ids) + self.max_new_tokens - self.num_slots
+
+    @property
+    def planned_outputs(self) -> int:
+        """Output tokens known plus those the steps in flight will sample."""
+        return len(self.output_ids) + self.pending_outputs
+
+
+@dataclass
+class ScheduledStep:
+    """A planned step and, per row of its result, the request and whether it samples there
+    (a prefill chunk that does not finish the prompt samples nothing)."""
+
+    plan: BatchPlan
+    reqs: list[Req]
+    samples: list[bool]

@@ -1,0 +1,370 @@
+"""The main process's supervision of the server: spawn the scheduler and model runner children,
+serve HTTP (503 until every process is ready), assemble the ready lines and the startup
+breakdown from each process's report, and take everything down when a child dies or a signal
+comes. `srt.launch_server` is its command line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from srt.process import ChildEntry, ReadyPipe
+from srt.server_args import ServerArgs
+from srt.tp_rank import tp_ranks
+
+if TYPE_CHECKING:  # imported when the server starts, once its flags are known to be good
+    import uvicorn
+
+    from srt.model_config import ModelConfig
+    from srt.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger("srt.launch_server")
+
+
+_SUPERVISE_S = 0.2  # how often children are checked
+
+
+_STARTING_POLL_S = 0.01  # and while starting, so that readiness is noticed at once
+
+
+_GRACEFUL_SHUTDOWN_S = 3  # open HTTP requests get this long to finish on shutdown
+
+
+_CHILD_STOP_S = 5  # SIGTERM, then SIGKILL after this long
+
+
+_SHUTDOWN_REASON = "the server is shutting down"
+
+
+class BackendFailed(RuntimeError):
+    pass
+
+
+RUNNER_MODULE = "srt.model_executor.runner_process"
+
+
+SCHEDULER_MODULE = "srt.scheduler.scheduler_process"
+
+
+class Child:
+    """A spawned child process and the pipe on which it reports ready (or its error)."""
+
+    def __init__(
+        self, name: str, target: Callable[..., None], call_args: tuple[Any, ...], launched: float
+    ) -> None:
+        """Spawn `target(*call_args, ready_pipe)`."""
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.reader, writer = ctx.Pipe(duplex=False)
+        self.spawned_after_s = round(time.perf_counter() - launched, 3)
+        self.process = ctx.Process(
+            target=target,
+            args=(*call_args, ReadyPipe(writer, time.time())),
+            name=f"srt-{name}",
+        )
+        self.process.start()
+        writer.close()  # the child holds the only writer: EOF means it is gone
+        self.figures: dict[str, Any] | None = None
+
+    def check(self, start: float) -> None:
+        """Take its ready report if one came; raise BackendFailed if it failed or died.
+
+        `start` is the launch time, from which `ready_after_s` is timed (the child times its
+        own parts from its spawn)."""
+        if self.figures is None and self.reader.poll():
+            try:
+                report = self.reader.recv()
+            except EOFError:  # died without a report; seen below once it is reaped
+                report = {}
+            if "error" in report:
+                raise BackendFailed(f"{self.name} failed to start: {report['error']}")
+            if report:
+                self.figures = {
+                    **report,
+                    "spawned_after_s": self.spawned_after_s,
+                    "ready_after_s": round(time.perf_counter() - start, 3),
+                }
+        if not self.process.is_alive():
+            raise BackendFailed(
+                f"{self.name} process (pid {self.process.pid}) died "
+                f"with exit code {self.process.exitcode}"
+            )
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+
+    def join(self) -> None:
+        self.process.join(_CHILD_STOP_S)
+        if self.process.is_alive():
+            logger.warning("%s did not stop on SIGTERM; killing it", self.name)
+            self.process.kill()
+            self.process.join()
+
+
+class Launcher:
+    def __init__(self, args: ServerArgs, model_config: ModelConfig, launched: float) -> None:
+        from srt.ipc.channels import Endpoints
+
+        self.args = args
+        self.model_config = model_config
+        self.launched = launched  # perf_counter() when main() began
+        self.endpoints = Endpoints.create()
+        self.children: dict[str, Child] = {}
+        self.manager: TokenizerManager | None = None
+        self.server: uvicorn.Server | None = None
+        self.stopping = False
+        # This process's own start, in order: each part's seconds (see `_mark`).
+        self.parts: dict[str, float] = {}
+        self._last_mark = launched
+
+    def _mark(self, part: str) -> None:
+        """`part` ends now: it took the time since the previous part ended."""
+        now = time.perf_counter()
+        self.parts[part] = round(now - self._last_mark, 3)
+        self._last_mark = now
+
+    def on_signal(self, signum: int, _: FrameType | None) -> None:
+        if not self.stopping:
+            logger.info("received %s; shutting down", signal.Signals(signum).name)
+        self.stopping = True
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def spawn_children(self) -> None:
+        args, endpoints = self.args, self.endpoints
+        ranks = tp_ranks(args.tp_size)
+        spawns: list[tuple[str, str, str, tuple[Any, ...]]] = [
+            ("model_runner", RUNNER_MODULE, "run_runner_process", (args, endpoints, ranks[0])),
+            *(
+                (f"model_runner_rank{tp.rank}", RUNNER_MODULE, "run_follower_process", (args, tp))
+                for tp in ranks[1:]
+            ),
+            ("scheduler", SCHEDULER_MODULE, "run_scheduler_process", (args, endpoints)),
+        ]
+        for name, module, function, call_args in spawns:
+            target = ChildEntry(module, function)
+            self.children[name] = Child(name, target, call_args, self.launched)
+        self._mark("start_s")
+
+    def run(self, sock: socket.socket) -> int:
+        """Serve on `sock` until a signal (exit code 0) or a child failure (1)."""
+        import uvicorn
+        import uvloop
+
+        from srt.server.http.app import create_app
+        from srt.server.tokenizer_manager import TokenizerManager
+
+        self._mark("imports_s")
+        self.manager = TokenizerManager(self.args, self.endpoints, self.model_config)
+        # uvicorn's own INFO lines (started, waiting for startup...) would read as the
+        # server's; srt logs its lifecycle itself, so only uvicorn's warnings come through.
+        level = max(logging.WARNING, logging.getLogger().getEffectiveLevel())
+        config = uvicorn.Config(
+            create_app(self.manager),
+            host=self.args.host,
+            port=self.args.port,
+            loop="none",
+            log_config=None,
+            log_level=level,
+            access_log=False,
+            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+        )
+        self.server = uvicorn.Server(config)
+        self.server.should_exit = self.stopping
+        self._mark("app_s")
+        return uvloop.run(self._serve(sock))
+
+    async def _serve(self, sock: socket.socket) -> int:
+        assert self.server is not None and self.manager is not None
+        # The tokenizer loads on the manager's tokenizing thread while HTTP already answers.
+        tokenizer = asyncio.get_running_loop().run_in_executor(
+            self.manager.prepare_pool, self._load_tokenizer
+        )
+        outputs = asyncio.create_task(self.manager.handle_outputs())
+        supervisor = asyncio.create_task(self._supervise(outputs, tokenizer))
+        logger.info(
+            "HTTP on http://%s:%d: 503 until ready (loading the tokenizer, children starting)",
+            self.args.host,
+            self.args.port,
+        )
+        await self.server.serve(sockets=[sock])
+        self.server.should_exit = True
+        code = await supervisor
+        outputs.cancel()
+        return code
+
+    def _load_tokenizer(self) -> None:
+        assert self.manager is not None
+        self.manager.load_tokenizer()
+        self._mark("tokenizer_s")
+
+    async def _supervise(self, outputs: asyncio.Task[None], tokenizer: asyncio.Future[None]) -> int:
+        """Mark the server ready once the tokenizer and every child are; stop it when a child
+        (or the task that routes their outputs, or the tokenizer's load) fails."""
+        assert self.server is not None and self.manager is not None
+        while not self.server.should_exit:
+            try:
+                for child in self.children.values():
+                    child.check(self.launched)
+                if outputs.done():
+                    raise BackendFailed(f"routing outputs failed: {outputs.exception()!r}")
+                if tokenizer.done() and tokenizer.exception() is not None:
+                    raise BackendFailed(str(tokenizer.exception()))
+            except BackendFailed as e:
+                if self.stopping:  # a signal reached the children too; we are leaving anyway
+                    return 0
+                logger.error("%s; shutting down", e)
+                self.manager.fail(str(e))
+                self.server.should_exit = True
+                return 1
+            if (
+                not self.manager.ready
+                and tokenizer.done()
+                and all(c.figures for c in self.children.values())
+            ):
+                self._mark_ready()
+            await asyncio.sleep(_SUPERVISE_S if self.manager.ready else _STARTING_POLL_S)
+        # A signal: requests in flight end now, with an error (a final event and [DONE] for a
+        # stream), rather than being cut off when the graceful shutdown runs out.
+        ended = self.manager.fail(_SHUTDOWN_REASON)
+        if ended:
+            logger.info("shutting down: ended %d sequence(s) in flight", ended)
+        return 0
+
+    def _mark_ready(self) -> None:
+        from srt.server.metrics import graph_figures
+
+        assert self.manager is not None
+        runner = self.children["model_runner"].figures
+        scheduler = self.children["scheduler"].figures
+        assert runner is not None and scheduler is not None
+        followers = {
+            name: _child_entry(c.figures, {"spawn_imports_s": c.figures["spawn_imports_s"]})
+            for name, c in self.children.items()
+            if name.startswith("model_runner_rank") and c.figures is not None
+        }
+        info = runner["info"]
+        runner_entry = {
+            **_child_entry(runner, runner_parts(runner)),
+            "load_s": info["load_s"],
+            **graph_figures(info),
+        }
+        scheduler_entry = _child_entry(scheduler, {"spawn_imports_s": scheduler["spawn_imports_s"]})
+        backends = ", ".join(
+            f"{phase} {g['backend']}" for phase, g in (info.get("graphs") or {}).items()
+        )
+        logger.info(
+            "model_runner ready after %.2f s (pid %d; %s); tp %d, %s %s, %s attention, graphs: "
+            "%s; %d KV slots, context length %d",
+            runner["ready_after_s"],
+            runner["pid"],
+            parts_text(runner_entry),
+            info["tp_size"],
+            info["device"],
+            info["dtype"],
+            info["attention_backend"],
+            backends or "none",
+            info["kv_slots"],
+            info["context_length"],
+        )
+        # Its "other" is mostly the wait for the runner's KV cache, which it plans against.
+        logger.info(
+            "scheduler ready after %.2f s (pid %d; %s)",
+            scheduler["ready_after_s"],
+            scheduler["pid"],
+            parts_text(scheduler_entry),
+        )
+        startup_s = round(time.perf_counter() - self.launched, 3)
+        tokenizer_entry = {
+            "pid": os.getpid(),
+            "total_s": startup_s,
+            "breakdown": with_other(startup_s, self.parts),
+        }
+        self.manager.mark_ready(
+            info["context_length"],
+            info["kv_slots"],
+            {
+                "startup_s": startup_s,
+                "ready_at": time.time(),
+                "ipc_dir": self.endpoints.dir,
+                "processes": {
+                    "tokenizer": tokenizer_entry,
+                    "scheduler": scheduler_entry,
+                    "model_runner": runner_entry,
+                    **followers,
+                },
+            },
+        )
+        logger.info(
+            "server ready in %.2f s (this process: %s): serving %s at http://%s:%d",
+            startup_s,
+            parts_text(tokenizer_entry),
+            self.manager.model_name,
+            self.args.host,
+            self.args.port,
+        )
+
+    def cleanup(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+        for child in self.children.values():
+            child.stop()
+        for child in self.children.values():
+            child.join()
+        self.endpoints.remove()
+
+
+def runner_parts(figures: dict[str, Any]) -> dict[str, float]:
+    """The model runner's start, part by part: its spawn and imports, then its own setup
+    (`warmup_s` where the runner reports one)."""
+    info = figures["info"]
+    compiled = info.get("compile") or {}
+    return {
+        "spawn_imports_s": figures["spawn_imports_s"],
+        "device_init_s": info["device_init_s"],  # the CUDA context and cuBLAS's handles
+        "load_s": info["load_s"],
+        "custom_ops_s": info["custom_ops_s"],  # the layer kernels' selection and import
+        "kv_alloc_s": info["kv_alloc_s"],
+        "dynamo_s": compiled.get("dynamo_s", 0.0),
+        "graph_load_s": compiled.get("graph_load_s", 0.0),  # the saved trace, on a warm start
+        "inductor_s": compiled.get("compile_s", 0.0),
+        "warmup_s": info.get("warmup_s", 0.0),
+        "capture_s": info["capture_s"],
+    }
+
+
+def with_other(total_s: float, parts: dict[str, float]) -> dict[str, float]:
+    """`parts` and `other_s`, the rest of `total_s`. Never below zero: a piece that Inductor
+    compiles during its first capture counts in both."""
+    named = {k: round(float(v), 3) for k, v in parts.items()}
+    return {**named, "other_s": round(max(total_s - sum(named.values()), 0.0), 3)}
+
+
+def _child_entry(figures: dict[str, Any], parts: dict[str, float]) -> dict[str, Any]:
+    """A child's `processes` entry: its report (less the runner info, which the server info
+    has in full) with its total (spawn to ready report, as the child timed it) broken down."""
+    total_s = round(figures["spawn_imports_s"] + figures["setup_s"], 3)
+    return {
+        **{k: v for k, v in figures.items() if k != "info"},
+        "total_s": total_s,
+        "breakdown": with_other(total_s, parts),
+    }
+
+
+def parts_text(entry: dict[str, Any]) -> str:
+    """`total 2.31 s: spawn imports 1.80 s, load 0.04 s, ...` for a ready line."""
+    parts = ", ".join(
+        f"{name.removesuffix('_s').replace('_', ' ')} {seconds:.2f} s"
+        for name, seconds in entry["breakdown"].items()
+    )
+    return f"total {entry['total_s']:.2f} s: {parts}"
