@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from srt.ipc.messages import GenerateReq
+from srt.ipc.reports import jsonable
 from srt.model_config import ModelConfig, warn_past_positions
 from srt.model_executor.rank_processes import start_ranks, stop_ranks
 from srt.scheduler.scheduler import Scheduler
@@ -97,7 +98,7 @@ class Engine:
         return outputs[0] if single else outputs
 
     def get_server_info(self) -> dict[str, Any]:
-        runner = self.runner.info()
+        runner = jsonable(self.runner.info())
         return {
             "server_args": dataclasses.asdict(self.server_args),
             "model": {

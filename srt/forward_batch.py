@@ -32,10 +32,12 @@ class ForwardBatch:
     prefix_lens: torch.Tensor  # [B] tokens already in the KV cache
     extend_lens: torch.Tensor  # [B] tokens computed this step
     extend_start_loc: torch.Tensor  # [B] offset of each request's first token
-    seq_lens_cpu: list[int]
-    prefix_lens_cpu: list[int]
-    extend_lens_cpu: list[int]
-    req_pool_indices_cpu: list[int]
+    # The same per-request fields on the host, of the real requests only: what a backend lays
+    # its metadata out from without reading the device.
+    seq_lens_cpu: np.ndarray
+    prefix_lens_cpu: np.ndarray
+    extend_lens_cpu: np.ndarray
+    req_pool_indices_cpu: np.ndarray
     req_to_token: torch.Tensor  # [max_requests, context_len] token slot table
     # What the attention backend prepared for this step: set by its `init_forward_metadata*` hooks,
     # read by its `forward`. On the batch rather than the backend, so that a forward reads
@@ -46,72 +48,6 @@ class ForwardBatch:
     @property
     def padded_tokens(self) -> int:
         return self.input_ids.shape[0]
-
-
-def to_device_packed(
-    arrays: list[np.ndarray], device: torch.device, dtype: torch.dtype = torch.int64
-) -> list[torch.Tensor]:
-    """1-D host arrays as `dtype` (int64 or float32) tensors on `device`, in one copy: a step's
-    inputs are a dozen small arrays, and each copy costs a host-device round trip."""
-    np_dtype = np.int64 if dtype == torch.int64 else np.float32
-    packed = torch.from_numpy(np.concatenate(arrays).astype(np_dtype, copy=False))
-    return list(packed.to(device, dtype=dtype, non_blocking=True).split([len(a) for a in arrays]))
-
-
-def forward_batch_from_host(
-    mode: ForwardMode,
-    input_ids: np.ndarray,
-    positions: np.ndarray,
-    out_cache_loc: np.ndarray,
-    req_pool_indices: np.ndarray,
-    prefix_lens: np.ndarray,
-    extend_lens: np.ndarray,
-    req_to_token: torch.Tensor,
-    input_from_prev: np.ndarray | None = None,
-    prev_sampled: torch.Tensor | None = None,
-) -> ForwardBatch:
-    """A ForwardBatch on `req_to_token`'s device from host arrays (uploaded in one copy).
-
-    With `input_from_prev` (one per token: a row of `prev_sampled`, the previous step's
-    sampled ids on the device, or -1), those tokens' ids are taken from there instead of
-    `input_ids`.
-    """
-    prefix_lens = prefix_lens.astype(np.int64)
-    extend_lens = extend_lens.astype(np.int64)
-    seq_lens = prefix_lens + extend_lens
-    extend_start = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).astype(np.int64)
-    arrays = [
-        input_ids,
-        positions,
-        out_cache_loc,
-        req_pool_indices,
-        np.concatenate([seq_lens, prefix_lens, extend_lens, extend_start]),
-    ]
-    if input_from_prev is not None:
-        arrays.append(input_from_prev)
-    ids, pos, locs, rows, lens, *src = to_device_packed(arrays, req_to_token.device)
-    if src:
-        assert prev_sampled is not None, "ids from the previous step need its sampled ids"
-        ids = torch.where(src[0] >= 0, prev_sampled[src[0].clamp(min=0)], ids)
-    seq, prefix, extend, start = lens.to(torch.int32).split(len(extend_lens))
-    return ForwardBatch(
-        mode=mode,
-        batch_size=len(extend_lens),
-        num_tokens=len(input_ids),
-        input_ids=ids,
-        positions=pos,
-        out_cache_loc=locs,
-        req_pool_indices=rows,
-        seq_lens=seq,
-        prefix_lens=prefix,
-        extend_lens=extend,
-        extend_start_loc=start,
-        seq_lens_cpu=seq_lens.tolist(),
-        prefix_lens_cpu=prefix_lens.tolist(),
-        extend_lens_cpu=extend_lens.tolist(),
-        req_pool_indices_cpu=req_pool_indices.tolist(),
-        req_to_token=req_to_token,
-    )
 
 
 def pad_tokens(batch: ForwardBatch, padded_tokens: int) -> ForwardBatch:

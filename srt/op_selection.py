@@ -10,6 +10,8 @@ import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from srt.ipc.reports import OpImplInfo
+
 OPS = ("fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -23,13 +25,9 @@ class OpImpl:
     kernel_in_inductor: bool
     why: str
 
-    def info(self) -> dict[str, str]:
+    def info(self) -> OpImplInfo:
         name = {True: "kernel", False: "reference"}
-        return {
-            "impl": name[self.kernel],
-            "in_inductor_graph": name[self.kernel_in_inductor],
-            "why": self.why,
-        }
+        return OpImplInfo(name[self.kernel], name[self.kernel_in_inductor], self.why)
 
 
 def parse_custom_ops(entries: Sequence[str] | None) -> dict[str, str | None]:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, TypeVar
 
+from srt.ipc.reports import ReadyReport, RunnerInfo, StartFailure
+
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -47,7 +49,9 @@ def _die_with_parent() -> None:
 
 
 class Worker(Protocol):
-    def figures(self) -> dict[str, Any]: ...
+    def runner_info(self) -> RunnerInfo | None:
+        """The model runner's record, for its ready report (None for other processes)."""
+        ...
 
     def run(self) -> None: ...
 
@@ -90,16 +94,16 @@ def run_child(name: str, log_level: str, ready: ReadyPipe, build: Callable[[], W
         worker = build()
     except Exception as e:
         logger.exception("%s failed to start", name)
-        ready.conn.send({"error": f"{type(e).__name__}: {e}"})
+        ready.conn.send(StartFailure(f"{type(e).__name__}: {e}"))
         ready.conn.close()
         sys.exit(1)
     ready.conn.send(
-        {
-            "pid": os.getpid(),
-            "spawn_imports_s": round(spawn_imports_s, 3),
-            "setup_s": round(time.perf_counter() - start, 3),
-            **worker.figures(),
-        }
+        ReadyReport(
+            os.getpid(),
+            round(spawn_imports_s, 3),
+            round(time.perf_counter() - start, 3),
+            worker.runner_info(),
+        )
     )
     ready.conn.close()
     worker.run()

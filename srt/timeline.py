@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any
 
 import numpy as np
+
+from srt.ipc.reports import StepKindSummary, TimelineSummary
 
 
 class StepTimeline:
@@ -55,15 +56,13 @@ class StepTimeline:
         if self.steps - step < len(self.times):
             self.times[step % len(self.times), self.index[name]] = time.perf_counter()
 
-    def summary(self, since: float | None = None) -> dict[str, Any]:
+    def summary(self, since: float | None = None) -> TimelineSummary:
         """Median milliseconds from each mark to the next over the steps kept, and from one
         step's start to the next's (`period_ms`); a gap no step had is left out. `since` (a
         `time.perf_counter()` value, which on Linux is the same clock in every process)
         keeps only the steps begun from then on; `window_steps` says how many were summed."""
         cpu_s = round(time.process_time(), 3)
         kept = min(self.steps, len(self.times))
-        if kept == 0:
-            return {"steps": 0, "window_steps": 0, "cpu_s": cpu_s}
         # Oldest first, so that the period is taken between consecutive steps.
         order = (np.arange(self.steps - kept + 1, self.steps + 1)) % len(self.times)
         t, tags = self.times[order], self.tags[order]
@@ -71,32 +70,32 @@ class StepTimeline:
             kept_rows = ~(t[:, 0] < since)  # a step begun before `since` is out (NaN rows stay)
             t, tags = t[kept_rows], tags[kept_rows]
         t = t * 1000.0
-        out: dict[str, Any] = {
-            "steps": self.steps,
-            "window_steps": int(np.sum(~np.isnan(t[:, 0]))),
-            "cpu_s": cpu_s,
-        }
+        gaps: dict[str, float] = {}
+        period_ms, kinds = None, {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
             for i in range(1, len(self.marks)):
-                gap = np.nanmedian(t[:, i] - t[:, i - 1])
+                gap = np.nanmedian(t[:, i] - t[:, i - 1]) if len(t) else np.nan
                 if not np.isnan(gap):
-                    out[f"{self.marks[i - 1]}_to_{self.marks[i]}_ms"] = round(float(gap), 4)
+                    gaps[f"{self.marks[i - 1]}_to_{self.marks[i]}"] = round(float(gap), 4)
             if len(t) > 1:
                 periods = np.diff(t[:, 0])
-                out["period_ms"] = round(float(np.nanmedian(periods)), 4)
-                out.update(self._by_kind(tags[:-1], periods))
-        return out
+                period_ms = round(float(np.nanmedian(periods)), 4)
+                kinds = self._by_kind(tags[:-1], periods)
+        window = int(np.sum(~np.isnan(t[:, 0])))
+        return TimelineSummary(self.steps, window, cpu_s, gaps, period_ms, kinds)
 
-    def _by_kind(self, tags: np.ndarray, periods: np.ndarray) -> dict[str, Any]:
+    def _by_kind(self, tags: np.ndarray, periods: np.ndarray) -> dict[str, StepKindSummary]:
         """Per tagged kind: steps, mean requests and tokens, and the milliseconds from their
         starts to the next step's (a long step, or the wait after it, counts in full)."""
-        out: dict[str, Any] = {}
+        out = {}
         for i, kind in enumerate(self.kinds):
             rows = (tags[:, 0] == i) & ~np.isnan(periods)
             if rows.any():
-                out[f"{kind}_steps"] = int(rows.sum())
-                out[f"{kind}_requests_mean"] = round(float(tags[rows, 1].mean()), 2)
-                out[f"{kind}_tokens_mean"] = round(float(tags[rows, 2].mean()), 2)
-                out[f"{kind}_ms_total"] = round(float(periods[rows].sum()), 3)
+                out[kind] = StepKindSummary(
+                    int(rows.sum()),
+                    round(float(tags[rows, 1].mean()), 2),
+                    round(float(tags[rows, 2].mean()), 2),
+                    round(float(periods[rows].sum()), 3),
+                )
         return out

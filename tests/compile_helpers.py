@@ -11,7 +11,6 @@ import torch
 
 from srt import Engine
 from srt.batch_layout import ForwardMode
-from srt.forward_batch import ForwardBatch
 from srt.ipc.messages import BatchPlan
 from srt.model_executor.graphs.phase_forward import EagerForward
 from srt.model_executor.model_runner import ModelRunner
@@ -40,9 +39,7 @@ def greedy_ids(engine: Engine, prompts: list[list[int]] = PROMPTS) -> list[list[
     return [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
 
 
-def make_batch(
-    runner: ModelRunner, mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int]
-) -> ForwardBatch:
+def make_plan(mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int]) -> BatchPlan:
     """Request i (table row i + 1) computes `tokens[i]` at positions prefix_lens[i]...; its
     earlier tokens must be in the KV cache from an earlier batch."""
     ids, pos, slots, rows = [], [], [], []
@@ -57,24 +54,16 @@ def make_batch(
     def i32(values: Any) -> np.ndarray:
         return np.asarray(list(values), dtype=np.int32)
 
-    plan = BatchPlan(
-        forward_mode=int(mode),
+    return BatchPlan.greedy(
+        mode,
         input_ids=i32(ids),
         positions=i32(pos),
         out_cache_loc=i32(slots),
         req_pool_indices=i32(range(1, b + 1)),
         prefix_lens=i32(prefix_lens),
         extend_lens=i32(len(t) for t in tokens),
-        table_rows=i32(rows),
-        table_cols=i32(pos),
-        table_slots=i32(slots),
-        temperatures=np.zeros(b, np.float32),
-        top_ps=np.ones(b, np.float32),
-        top_ks=np.zeros(b, np.int64),
-        min_ps=np.zeros(b, np.float32),
-        seeds=np.zeros(b, np.int64),
+        table=(i32(rows), i32(pos), i32(slots)),
     )
-    return runner.make_forward_batch(plan)
 
 
 def scenario(vocab: int) -> list[tuple[ForwardMode, list[list[int]], list[int]]]:
@@ -97,8 +86,9 @@ def max_logit_error(runner: ModelRunner) -> float:
     eager = EagerForward(runner.model, runner.attn_backend)
     worst = 0.0
     for mode, tokens, prefix in scenario(runner.config.vocab_size):
-        batch = make_batch(runner, mode, tokens, prefix)
-        got = runner.forward_logits(batch).clone()
+        plan = make_plan(mode, tokens, prefix)
+        got = runner.forward_logits(plan).clone()
+        batch = runner.make_forward_batch(plan)
         runner.attn_backend.init_forward_metadata(batch)
         want = eager(batch, None)
         assert got.shape == want.shape == (len(tokens), runner.config.vocab_size)

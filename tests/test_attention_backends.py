@@ -23,10 +23,12 @@ import pytest
 import torch
 
 from srt.batch_layout import ForwardMode
-from srt.forward_batch import ForwardBatch, forward_batch_from_host, pad_tokens
+from srt.forward_batch import ForwardBatch, pad_tokens
+from srt.ipc.messages import BatchPlan
 from srt.layers.attention.base import AttentionInputs, create_attention_backend
 from srt.layers.attention.torch_native import TorchNativeBackend, attend
-from srt.model_executor.graphs.static_batch import StaticBatch, real_requests
+from srt.model_executor.graphs.static_batch import real_requests
+from srt.model_executor.step_inputs import upload_step
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -95,15 +97,17 @@ def make_batch(
         rows.append(row)
         locs.append(slots[prefix:])
     num_tokens = sum(e for _, e in specs)
-    batch = forward_batch_from_host(
-        mode,
-        input_ids=np.zeros(num_tokens, np.int64),
-        positions=np.concatenate([np.arange(p, p + e) for p, e in specs]),
-        out_cache_loc=torch.cat(locs).cpu().numpy(),
-        req_pool_indices=np.array(rows),
-        prefix_lens=np.array([p for p, _ in specs]),
-        extend_lens=np.array([e for _, e in specs]),
-        req_to_token=world.req_to_token,
+    batch = upload_step(
+        BatchPlan.greedy(
+            mode,
+            input_ids=np.zeros(num_tokens, np.int64),
+            positions=np.concatenate([np.arange(p, p + e) for p, e in specs]),
+            out_cache_loc=torch.cat(locs).cpu().numpy(),
+            req_pool_indices=np.array(rows),
+            prefix_lens=np.array([p for p, _ in specs]),
+            extend_lens=np.array([e for _, e in specs]),
+        ),
+        world.req_to_token,
     )
     batch = pad_tokens(batch, padded_tokens or num_tokens)
     t = batch.padded_tokens
@@ -267,8 +271,7 @@ def check_metadata_stays_with_its_batch(
             first,
             AttentionInputs(q3, k3, v3, torch.empty_like(q3), world.k_cache, world.v_cache, scale),
         )
-    static = StaticBatch(4, 4, torch.device(device))
-    for copy in (pad_tokens(first, 4), static.load(first, 4, 4), real_requests(first)):
+    for copy in (pad_tokens(first, 4), real_requests(first)):
         assert copy.attn_metadata is None
 
 

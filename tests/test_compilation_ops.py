@@ -18,7 +18,8 @@ from srt.compilation.op_registry import custom_ops, opcheck, register_custom_op,
 from srt.distributed import destroy_tp, init_tp
 from srt.layers.attention.base import create_attention_backend
 from srt.layers.attention.layer import forward_context
-from srt.model_executor.graphs.static_batch import dummy_batch
+from srt.model_executor.graphs.static_batch import dummy_plan
+from srt.model_executor.step_inputs import upload_step
 from srt.op_selection import OPS
 from srt.tp_rank import TPRank, free_port
 
@@ -29,7 +30,7 @@ def attention_sample() -> Sample:
     heads, kv_heads, head_dim, tokens = 4, 2, 8, 6
     backend = create_attention_backend("torch_native", heads, kv_heads, head_dim)
     table = torch.arange(16, dtype=torch.int32).repeat(2, 1)  # row 0 reads slots 0..15
-    batch = dummy_batch(ForwardMode.EXTEND, tokens, table)
+    batch = upload_step(dummy_plan(ForwardMode.EXTEND, tokens, 16), table)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(tokens, heads * head_dim, generator=gen)
     k = torch.randn(tokens, kv_heads * head_dim, generator=gen)

@@ -18,7 +18,7 @@ from compile_helpers import (
     LADDERS,
     PROMPTS,
     greedy_ids,
-    make_batch,
+    make_plan,
     max_logit_error,
     tc_engine,
 )
@@ -131,8 +131,8 @@ def test_every_batch_size_runs_without_a_new_dynamo_compilation(engine: Engine) 
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch.inference_mode():
         for n in range(1, 21):  # both phases, inside and beyond the ladders
-            runner.forward_logits(make_batch(runner, ForwardMode.EXTEND, [[3] * n], [0]))
-            decode = make_batch(runner, ForwardMode.DECODE, [[4]] * n, [1] * n)
+            runner.forward_logits(make_plan(ForwardMode.EXTEND, [[3] * n], [0]))
+            decode = make_plan(ForwardMode.DECODE, [[4]] * n, [1] * n)
             runner.forward_logits(decode)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert compile_info(engine)["traces"] == 1
@@ -175,7 +175,7 @@ def test_a_warm_start_loads_the_graph_instead_of_tracing(
         runner = warm.runner
         with torch.inference_mode():  # every size, and no Dynamo behind any of them
             for n in (1, 3, 20):
-                runner.forward_logits(make_batch(runner, ForwardMode.EXTEND, [[3] * n], [0]))
+                runner.forward_logits(make_plan(ForwardMode.EXTEND, [[3] * n], [0]))
     assert info["cache_dir"] == cold["cache_dir"]
     assert (info["graph_source"], info["traces"], info["dynamo_s"]) == ("loaded", 0, 0.0)
     assert info["graph_load_s"] > 0 and info["total_s"] >= info["graph_load_s"]

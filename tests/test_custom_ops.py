@@ -11,9 +11,11 @@ import torch
 
 from srt.batch_layout import ForwardMode
 from srt.compilation.op_registry import opcheck, split_ops
-from srt.forward_batch import ForwardBatch, forward_batch_from_host, pad_tokens
+from srt.forward_batch import ForwardBatch, pad_tokens
+from srt.ipc.messages import BatchPlan
 from srt.layers.attention.base import AttentionBackend, create_attention_backend
 from srt.layers.attention.layer import attention_op, eager_forward_context
+from srt.model_executor.step_inputs import upload_step
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 NUM_SLOTS = 64
@@ -59,15 +61,17 @@ def make_case(device: str, dtype: torch.dtype = torch.float32) -> Case:
         new_v.append(values[-1][prefix:])
         locs.append(seq_slots[prefix:])
     num_tokens = sum(e for _, e in REQUESTS)
-    batch = forward_batch_from_host(
-        ForwardMode.EXTEND,
-        input_ids=np.zeros(num_tokens, np.int64),
-        positions=np.concatenate([np.arange(p, p + e) for p, e in REQUESTS]),
-        out_cache_loc=torch.cat(locs).cpu().numpy(),
-        req_pool_indices=np.arange(len(REQUESTS)),
-        prefix_lens=np.array([p for p, _ in REQUESTS]),
-        extend_lens=np.array([e for _, e in REQUESTS]),
-        req_to_token=req_to_token,
+    batch = upload_step(
+        BatchPlan.greedy(
+            ForwardMode.EXTEND,
+            input_ids=np.zeros(num_tokens, np.int64),
+            positions=np.concatenate([np.arange(p, p + e) for p, e in REQUESTS]),
+            out_cache_loc=torch.cat(locs).cpu().numpy(),
+            req_pool_indices=np.arange(len(REQUESTS)),
+            prefix_lens=np.array([p for p, _ in REQUESTS]),
+            extend_lens=np.array([e for _, e in REQUESTS]),
+        ),
+        req_to_token,
     )
     batch = pad_tokens(batch, PADDED_TOKENS)
     pad = PADDED_TOKENS - num_tokens

@@ -20,7 +20,7 @@ import srt.model_executor.graphs.pool as graph_memory
 from srt import Engine
 from srt.batch_layout import ForwardMode
 from srt.compilation.dispatch import BucketDispatcher
-from srt.forward_batch import ForwardBatch, forward_batch_from_host
+from srt.ipc.messages import BatchPlan
 from srt.model_executor.graphs.config import (
     Backend,
     GraphConfigError,
@@ -31,7 +31,8 @@ from srt.model_executor.graphs.config import (
 )
 from srt.model_executor.graphs.piecewise import PieceGraphs
 from srt.model_executor.graphs.pool import GraphPool
-from srt.model_executor.graphs.static_batch import StaticBatch, dummy_batch
+from srt.model_executor.graphs.static_batch import StaticBatch, dummy_plan
+from srt.model_executor.step_inputs import upload_step
 from srt.server_args import ServerArgs
 
 # Three requests that finish after 3, 5 and 8 tokens: decode batches of 3, 2 and 1 requests
@@ -194,9 +195,12 @@ def test_ladders_are_clamped_to_max_bs() -> None:
 # ---- padding into static buffers ---------------------------------------------------------
 
 
-def live_batch(mode: ForwardMode, extend: list[int], prefix: list[int]) -> ForwardBatch:
+TABLE = torch.zeros(8, 64, dtype=torch.int32)
+
+
+def live_plan(mode: ForwardMode, extend: list[int], prefix: list[int]) -> BatchPlan:
     n = sum(extend)
-    return forward_batch_from_host(
+    return BatchPlan.greedy(
         mode,
         input_ids=np.arange(100, 100 + n),
         positions=np.arange(n) + 1,
@@ -204,13 +208,12 @@ def live_batch(mode: ForwardMode, extend: list[int], prefix: list[int]) -> Forwa
         req_pool_indices=np.arange(3, 3 + len(extend)),
         prefix_lens=np.array(prefix),
         extend_lens=np.array(extend),
-        req_to_token=torch.zeros(8, 64, dtype=torch.int32),
     )
 
 
 def test_decode_padding() -> None:
     static = StaticBatch(max_tokens=8, max_requests=8, device=torch.device("cpu"))
-    padded = static.load(live_batch(ForwardMode.DECODE, [1, 1, 1], [4, 6, 9]), 4, 4)
+    padded = static.load(live_plan(ForwardMode.DECODE, [1, 1, 1], [4, 6, 9]), 4, 4, TABLE, None)
     assert padded.input_ids.tolist() == [100, 101, 102, 0]
     assert padded.positions.tolist() == [1, 2, 3, 0]
     assert padded.out_cache_loc.tolist() == [50, 51, 52, 0]  # the dummy slot
@@ -219,10 +222,11 @@ def test_decode_padding() -> None:
     assert padded.prefix_lens.tolist() == [4, 6, 9, 0]
     assert padded.extend_lens.tolist() == [1, 1, 1, 1]
     assert padded.extend_start_loc.tolist() == [0, 1, 2, 3]
-    assert (padded.batch_size, padded.num_tokens, padded.seq_lens_cpu) == (3, 3, [5, 7, 10])
-    assert padded.input_ids.data_ptr() == static.input_ids.data_ptr()
+    assert (padded.batch_size, padded.num_tokens) == (3, 3)
+    assert padded.seq_lens_cpu.tolist() == [5, 7, 10]
+    assert padded.input_ids.data_ptr() == static.buffer.data_ptr()  # views of the static buffer
     # A smaller batch in the same bucket overwrites the previous batch's tail.
-    again = static.load(live_batch(ForwardMode.DECODE, [1], [2]), 4, 4)
+    again = static.load(live_plan(ForwardMode.DECODE, [1], [2]), 4, 4, TABLE, None)
     assert again.input_ids.tolist() == [100, 0, 0, 0]
     assert again.seq_lens.tolist() == [3, 1, 1, 1]
     assert again.extend_start_loc.tolist() == [0, 1, 2, 3]
@@ -230,22 +234,23 @@ def test_decode_padding() -> None:
 
 def test_prefill_padding() -> None:
     static = StaticBatch(max_tokens=16, max_requests=4, device=torch.device("cpu"))
-    padded = static.load(live_batch(ForwardMode.EXTEND, [3, 2], [0, 4]), 8, 4)
+    padded = static.load(live_plan(ForwardMode.EXTEND, [3, 2], [0, 4]), 8, 4, TABLE, None)
     assert padded.input_ids.tolist() == [100, 101, 102, 103, 104, 0, 0, 0]
     assert padded.out_cache_loc.tolist()[5:] == [0, 0, 0]
     assert padded.seq_lens.tolist() == [3, 6, 0, 0]  # padded requests are empty
     assert padded.extend_lens.tolist() == [3, 2, 0, 0]
     assert padded.extend_start_loc.tolist() == [0, 3, 5, 5]
     with pytest.raises(ValueError, match="does not fit"):
-        static.load(live_batch(ForwardMode.EXTEND, [6, 6], [0, 0]), 8, 4)
+        static.load(live_plan(ForwardMode.EXTEND, [6, 6], [0, 0]), 8, 4, TABLE, None)
 
 
 def test_dummy_batches_fit_the_table() -> None:
     table = torch.zeros(4, 10, dtype=torch.int32)
-    decode = dummy_batch(ForwardMode.DECODE, 4, table)
-    assert decode.extend_lens_cpu == [1, 1, 1, 1] and decode.out_cache_loc.tolist() == [0] * 4
-    prefill = dummy_batch(ForwardMode.EXTEND, 24, table)
-    assert prefill.extend_lens_cpu == [10, 10, 4]
+    decode = upload_step(dummy_plan(ForwardMode.DECODE, 4, 10), table)
+    assert decode.extend_lens_cpu.tolist() == [1, 1, 1, 1]
+    assert decode.out_cache_loc.tolist() == [0] * 4
+    prefill = upload_step(dummy_plan(ForwardMode.EXTEND, 24, 10), table)
+    assert prefill.extend_lens_cpu.tolist() == [10, 10, 4]
     assert prefill.positions.tolist() == [*range(10), *range(10), *range(4)]
     assert prefill.extend_start_loc.tolist() == [0, 10, 20]
 
@@ -361,7 +366,7 @@ def test_a_full_graph_takes_the_greedy_argmax_along(
     """A greedy decode step replayed from a `full` graph samples nothing of its own: the
     graph computed the argmax beside the logits, and those are the ids. Only the eager steps
     (prefill here) run the sampler."""
-    from srt.model_executor import model_runner
+    from srt.model_executor import sampling
 
     calls: list[torch.Tensor | None] = []
 
@@ -369,8 +374,8 @@ def test_a_full_graph_takes_the_greedy_argmax_along(
         calls.append(greedy)
         return real_sample(logits, batch, greedy)
 
-    real_sample = model_runner.sample
-    monkeypatch.setattr(model_runner, "sample", sample)
+    real_sample = sampling.sample
+    monkeypatch.setattr(sampling, "sample", sample)
     with make_engine(
         tiny_llama, tmp_path, cuda_graph_backend_decode="full", skip_warmup=True
     ) as eng:

@@ -10,7 +10,8 @@ from srt.timeline import StepTimeline
 def test_gaps_period_and_ring() -> None:
     timeline = StepTimeline(("start", "sent", "done"), size=4)
     empty = timeline.summary()
-    assert empty["steps"] == 0 and empty["window_steps"] == 0 and empty["cpu_s"] >= 0
+    assert empty.steps == 0 and empty.window_steps == 0 and empty.cpu_s >= 0
+    assert empty.gaps_ms == {} and empty.period_ms is None and empty.kinds == {}
     for _ in range(6):
         timeline.begin()
         time.sleep(0.002)
@@ -20,10 +21,10 @@ def test_gaps_period_and_ring() -> None:
     timeline.discard()  # a turn that did nothing is not counted
     summary = timeline.summary()
     # The ring keeps 4 rows; the discarded turn took the oldest one's.
-    assert summary["steps"] == 6 and summary["window_steps"] == 3
-    assert summary["start_to_sent_ms"] >= 2.0  # the sleep is inside this gap
-    assert summary["sent_to_done_ms"] >= 0
-    assert summary["period_ms"] >= 2.0  # each period holds a sleep
+    assert summary.steps == 6 and summary.window_steps == 3
+    assert summary.gaps_ms["start_to_sent"] >= 2.0  # the sleep is inside this gap
+    assert summary.gaps_ms["sent_to_done"] >= 0
+    assert summary.period_ms is not None and summary.period_ms >= 2.0  # each holds a sleep
 
 
 def test_marks_by_step_number_and_missing_gaps() -> None:
@@ -34,18 +35,12 @@ def test_marks_by_step_number_and_missing_gaps() -> None:
     timeline.mark("launched")
     timeline.mark("result_sent", 1)  # step 1's result goes out once step 2 is launched
     summary = timeline.summary()
-    assert set(summary) == {
-        "steps",
-        "window_steps",
-        "received_to_launched_ms",
-        "launched_to_result_sent_ms",
-        "period_ms",
-        "cpu_s",
-    }
+    assert set(summary.gaps_ms) == {"received_to_launched", "launched_to_result_sent"}
+    assert summary.period_ms is not None
     timeline.mark("result_sent", -20)  # fell out of the ring: ignored
     only_start = StepTimeline(("a", "b"))
     only_start.begin()
-    assert only_start.summary().keys() == {"steps", "window_steps", "cpu_s"}
+    assert only_start.summary().gaps_ms == {} and only_start.summary().period_ms is None
 
 
 def test_a_window_from_a_moment_on() -> None:
@@ -61,11 +56,11 @@ def test_a_window_from_a_moment_on() -> None:
         timeline.begin()
         timeline.mark("done")
     window = timeline.summary(since)
-    assert window["steps"] == 5 and window["window_steps"] == 2
-    assert window["start_to_done_ms"] < 4.0  # none of the slow steps before `since`
-    assert timeline.summary()["start_to_done_ms"] >= 4.0  # the median of all five
+    assert window.steps == 5 and window.window_steps == 2
+    assert window.gaps_ms["start_to_done"] < 4.0  # none of the slow steps before `since`
+    assert timeline.summary().gaps_ms["start_to_done"] >= 4.0  # the median of all five
     nothing = timeline.summary(time.perf_counter())
-    assert nothing["window_steps"] == 0 and "period_ms" not in nothing
+    assert nothing.window_steps == 0 and nothing.period_ms is None
 
 
 def test_steps_by_kind_count_their_long_steps_in_full() -> None:
@@ -83,13 +78,14 @@ def test_steps_by_kind_count_their_long_steps_in_full() -> None:
         time.sleep(sleep_s)
         timeline.mark("done")
     timeline.begin()  # the last step's period ends where the next one begins
-    cpu_before = timeline.summary()["cpu_s"]
+    cpu_before = timeline.summary().cpu_s
     sum(i * i for i in range(300_000))  # some CPU work shows in the process's CPU seconds
     summary = timeline.summary()
-    assert summary["extend_steps"] == 2 and summary["decode_steps"] == 3
-    assert summary["extend_requests_mean"] == 1.5 and summary["extend_tokens_mean"] == 192
-    assert summary["decode_requests_mean"] == round(8 / 3, 2)
-    assert summary["extend_ms_total"] >= 60.0  # both long steps, in full
-    assert summary["decode_ms_total"] < summary["extend_ms_total"]
-    assert summary["period_ms"] < 30.0  # the median sees only short periods
-    assert summary["cpu_s"] > cpu_before
+    extend, decode = summary.kinds["extend"], summary.kinds["decode"]
+    assert extend.steps == 2 and decode.steps == 3
+    assert extend.requests_mean == 1.5 and extend.tokens_mean == 192
+    assert decode.requests_mean == round(8 / 3, 2)
+    assert extend.ms_total >= 60.0  # both long steps, in full
+    assert decode.ms_total < extend.ms_total
+    assert summary.period_ms is not None and summary.period_ms < 30.0  # short periods only
+    assert summary.cpu_s > cpu_before

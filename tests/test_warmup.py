@@ -18,6 +18,7 @@ import srt.model_executor.graphs.full as cuda_graph_runner
 import srt.model_executor.graphs.pool as graph_memory
 from srt import Engine
 from srt.batch_layout import DUMMY_SLOT, ForwardMode
+from srt.ipc.reports import JitMiss
 from srt.model_executor.jit_misses import (
     MAX_LISTED,
     JitMissLog,
@@ -170,10 +171,10 @@ def test_a_compile_after_ready_is_a_miss() -> None:
     after(torch.ones(4))
     after(torch.ones(4))  # compiled already: no second miss
     assert log.count == 1
-    (miss,) = log.info()["listed"]
-    assert miss["what"].startswith("torch.compile")
-    assert miss["ms"] > 0
-    assert miss["during"] == "decode step of 3 request(s), 3 token(s)"
+    (miss,) = log.info().listed
+    assert miss.what.startswith("torch.compile")
+    assert miss.ms > 0
+    assert miss.during == "decode step of 3 request(s), 3 token(s)"
 
 
 def test_arming_after_a_dynamo_reset_hooks_again() -> None:
@@ -192,9 +193,9 @@ def test_the_miss_list_is_bounded_and_the_count_is_not() -> None:
     for i in range(MAX_LISTED + 5):
         report_miss(f"kernel {i}", 1.0)
     info = log.info()
-    assert info["count"] == MAX_LISTED + 5
-    assert len(info["listed"]) == MAX_LISTED
-    assert info["listed"][0] == {"what": "kernel 0", "ms": 1.0, "during": None}
+    assert info.count == MAX_LISTED + 5
+    assert len(info.listed) == MAX_LISTED
+    assert info.listed[0] == JitMiss("kernel 0", 1.0, None)
 
 
 def test_triton_hooks_time_each_compile_and_chain() -> None:

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from srt.batch_layout import ForwardMode
 from srt.bench.report import append_jsonl, format_table, machine
 from srt.ipc.messages import BatchPlan
+from srt.ipc.reports import jsonable
 from srt.model_config import ModelConfig
 from srt.model_executor.graphs.config import Phase
 from srt.model_executor.model_runner import ModelRunner
@@ -245,7 +246,7 @@ def bench(
     # --tp-size N: ranks 1.. in child processes, stopped at the end
     with running_ranks(args, config) as runner:
         startup_s = time.perf_counter() - start  # load + compile (+ upfront capture)
-        compile_info = runner.info()["compile"]
+        compile_info = jsonable(runner.info())["compile"]
         graphs = runner.graph_configs
         where = machine()
         results = []
@@ -298,7 +299,7 @@ def bench(
                         k: info.get(k)
                         for k in ("backend", "captured", "skipped", "capture_s", "replays")
                     }
-                    for phase, info in runner.info()["graphs"].items()
+                    for phase, info in jsonable(runner.info())["graphs"].items()
                 },
                 "machine": where,
             }

@@ -1,9 +1,11 @@
 """ZeroMQ PUSH/PULL between the server's processes, over ipc:// endpoints in a private directory.
 
-Each PULL socket is bound by the process that reads it, each PUSH socket connects; a message is
-one pickled object (the io_struct dataclasses, whose token ids travel as numpy arrays). Pickle
-protocol 5 sends larger arrays out of band, as frames of their own: their bytes are neither
-copied into the pickle nor out of it.
+Each direction is a `Channel` that carries one message class (messages.py): its PULL socket is
+bound by the process that reads it (`Receiver`), its PUSH sockets connect (`Sender`), and a
+receiver refuses anything that is not of its direction. A message is one pickled object (the
+messages' dataclasses, whose token ids travel as numpy arrays). Pickle protocol 5 sends larger
+arrays out of band, as frames of their own: their bytes are neither copied into the pickle nor
+out of it.
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ import pickle
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import zmq
 
-# A sync context makes sync sockets, a zmq.asyncio one asyncio sockets (recv returns a Future).
-SocketT = TypeVar("SocketT", bound=zmq.Socket)
+from srt.ipc.messages import FromRunner, ToRunner, ToScheduler, ToTokenizer
+
+M = TypeVar("M")
 
 
 @dataclass(frozen=True)
 class Endpoints:
+    """The server's private ipc directory, where every channel's socket lives."""
+
     dir: str
 
     @classmethod
@@ -31,50 +36,79 @@ class Endpoints:
         os.chmod(path, 0o700)  # mkdtemp already does; the sockets must stay private
         return cls(path)
 
-    def _ipc(self, name: str) -> str:
-        return f"ipc://{os.path.join(self.dir, name)}"
-
-    @property
-    def scheduler_inbox(self) -> str:
-        """tokenizer -> scheduler: requests, aborts, flush and info requests."""
-        return self._ipc("scheduler")
-
-    @property
-    def runner_inbox(self) -> str:
-        """scheduler -> runner: batch plans and info requests."""
-        return self._ipc("runner")
-
-    @property
-    def runner_results(self) -> str:
-        """runner -> scheduler: batch results and runner info."""
-        return self._ipc("runner-results")
-
-    @property
-    def tokenizer_inbox(self) -> str:
-        """scheduler -> tokenizer: token outputs and replies."""
-        return self._ipc("tokenizer")
+    def address(self, channel: Channel[Any]) -> str:
+        return f"ipc://{os.path.join(self.dir, channel.name)}"
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _socket(ctx: zmq.Context[SocketT], kind: int) -> SocketT:
+@dataclass(frozen=True)
+class Channel(Generic[M]):
+    """One direction of the server's traffic and the message class it carries."""
+
+    name: str
+    kind: type[M]
+
+    def check(self, msg: object) -> M:
+        if not isinstance(msg, self.kind):
+            raise TypeError(
+                f"the {self.name} channel carries {self.kind.__name__} messages, "
+                f"got {type(msg).__name__}"
+            )
+        return msg
+
+
+TO_SCHEDULER = Channel("scheduler", ToScheduler)  # requests, aborts, flush and info requests
+TO_RUNNER = Channel("runner", ToRunner)  # batch plans, info requests
+FROM_RUNNER = Channel("runner-results", FromRunner)  # batch results, runner info
+TO_TOKENIZER = Channel("tokenizer", ToTokenizer)  # step outputs, replies
+
+
+def _socket(ctx: zmq.Context[Any], kind: int) -> Any:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)  # never block shutdown on undelivered messages
     sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)  # no silent drops
     return sock
 
 
-def bind_pull(ctx: zmq.Context[SocketT], endpoint: str) -> SocketT:
-    sock = _socket(ctx, zmq.PULL)
-    sock.bind(endpoint)
-    return sock
+class Receiver(Generic[M]):
+    """The reading end of a channel: binds its PULL socket (`ctx` sync or zmq.asyncio)."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoints: Endpoints, channel: Channel[M]) -> None:
+        self.channel = channel
+        self.socket = _socket(ctx, zmq.PULL)
+        self.socket.bind(endpoints.address(channel))
+
+    def recv(self, flags: int = 0) -> M:
+        """The next message; with `zmq.NOBLOCK`, raises `zmq.Again` when none is waiting."""
+        return self.channel.check(loads(self.socket.recv_multipart(flags)))
+
+    async def recv_async(self) -> M:
+        """The next message, on a zmq.asyncio context's socket."""
+        frames = await self.socket.recv_multipart()
+        return self.channel.check(loads(frames))
+
+    def poll(self, timeout_ms: int = 0) -> bool:
+        return bool(self.socket.poll(timeout_ms))
+
+    def close(self) -> None:
+        self.socket.close()
 
 
-def connect_push(ctx: zmq.Context[SocketT], endpoint: str) -> SocketT:
-    sock = _socket(ctx, zmq.PUSH)
-    sock.connect(endpoint)
-    return sock
+class Sender(Generic[M]):
+    """A writing end of a channel: connects a PUSH socket."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoints: Endpoints, channel: Channel[M]) -> None:
+        self.channel = channel
+        self.socket = _socket(ctx, zmq.PUSH)
+        self.socket.connect(endpoints.address(channel))
+
+    def send(self, msg: M) -> None:
+        self.socket.send_multipart(dumps(self.channel.check(msg)), copy=False)
+
+    def close(self) -> None:
+        self.socket.close()
 
 
 # Arrays smaller than this stay inside the pickle: a frame of its own costs more than the copy.
@@ -97,12 +131,3 @@ def dumps(obj: Any) -> list[Any]:
 def loads(frames: list[Any]) -> Any:
     """The object `dumps` made the frames of (arrays on out-of-band frames are read-only)."""
     return pickle.loads(frames[0], buffers=frames[1:])
-
-
-def send(sock: zmq.Socket, obj: Any) -> None:
-    sock.send_multipart(dumps(obj), copy=False)
-
-
-def recv(sock: zmq.Socket, flags: int = 0) -> Any:
-    """The next object; with `zmq.NOBLOCK`, raises `zmq.Again` when none is waiting."""
-    return loads(sock.recv_multipart(flags))

@@ -1,5 +1,14 @@
 """Messages between the processes: small dataclasses, token ids as numpy arrays; what crosses
-per step (a plan, a result, a step's outputs) is a few arrays, never a Python object per token."""
+per step (a plan, a result, a step's outputs) is a few arrays, never a Python object per token.
+
+Each message derives from the direction it travels in, and each channel (`channels.py`) takes
+only its direction's messages:
+
+    ToScheduler   tokenizer -> scheduler   GenerateReq, AbortReq, FlushCacheReq, InfoReq
+    ToRunner      scheduler -> runner      BatchPlan, InfoReq (passed on)
+    FromRunner    runner -> scheduler      RunnerReady, BatchResult, RunnerInfoReply
+    ToTokenizer   scheduler -> tokenizer   StepOutputs, Replies
+"""
 
 from __future__ import annotations
 
@@ -7,11 +16,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from srt.batch_layout import ForwardMode
+from srt.ipc.reports import RunnerInfo, SchedulerInfo, TimelineSummary
 from srt.sampling_params import SamplingParams
 
 
+class ToScheduler:
+    """A message to the scheduler, from the tokenizer process."""
+
+
+class ToRunner:
+    """A message to the model runner, from the scheduler."""
+
+
+class FromRunner:
+    """A message from the model runner, to the scheduler."""
+
+
+class ToTokenizer:
+    """A message to the tokenizer process, from the scheduler."""
+
+
 @dataclass
-class GenerateReq:
+class GenerateReq(ToScheduler):
     """tokenizer -> scheduler: a tokenized request."""
 
     rid: str
@@ -21,17 +48,17 @@ class GenerateReq:
 
 
 @dataclass
-class AbortReq:
+class AbortReq(ToScheduler):
     rid: str
 
 
 @dataclass
-class FlushCacheReq:
+class FlushCacheReq(ToScheduler):
     pass
 
 
 @dataclass
-class BatchPlan:
+class BatchPlan(ToRunner):
     """scheduler -> runner: everything one forward step needs, prepared on the host.
 
     Tokens of the batch's requests are concatenated in request order. `table_*` are the
@@ -61,6 +88,46 @@ class BatchPlan:
     # the id is in `input_ids`. None: every id is there.
     input_from_prev: np.ndarray | None = None
 
+    @classmethod
+    def greedy(
+        cls,
+        mode: int,
+        *,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        out_cache_loc: np.ndarray,
+        req_pool_indices: np.ndarray,
+        prefix_lens: np.ndarray,
+        extend_lens: np.ndarray,
+        table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> BatchPlan:
+        """A plan whose requests all sample greedily, without logprobs (the runner's own
+        dummy steps, the tools'); `table`: its (rows, cols, slots) table writes, if any."""
+        b = len(req_pool_indices)
+        none = np.zeros(0, np.int32)
+        rows, cols, slots = table if table is not None else (none, none, none)
+        return cls(
+            forward_mode=int(mode),
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            table_rows=rows,
+            table_cols=cols,
+            table_slots=slots,
+            temperatures=np.zeros(b, np.float32),
+            top_ps=np.ones(b, np.float32),
+            top_ks=np.ones(b, np.int64),
+            min_ps=np.zeros(b, np.float32),
+            seeds=np.zeros(b, np.int64),
+        )
+
+    @property
+    def mode(self) -> ForwardMode:
+        return ForwardMode(self.forward_mode)
+
     @property
     def batch_size(self) -> int:
         return len(self.req_pool_indices)
@@ -71,7 +138,7 @@ class BatchPlan:
 
 
 @dataclass
-class BatchResult:
+class BatchResult(FromRunner):
     """runner -> scheduler: one sampled token per request of the plan."""
 
     next_token_ids: np.ndarray  # [B] int64
@@ -98,7 +165,7 @@ class TokenOutput:
 
 
 @dataclass
-class StepOutputs:
+class StepOutputs(ToTokenizer):
     """scheduler -> tokenizer, one per step: every request's `TokenOutput` of the step, packed
     into arrays (tokens of all requests concatenated, `counts` per request)."""
 
@@ -203,7 +270,7 @@ class FlushCacheOutput:
 
 
 @dataclass
-class InfoReq:
+class InfoReq(ToScheduler, ToRunner):
     """tokenizer -> scheduler -> runner: ask for live state (server info, metrics)."""
 
     req_id: int
@@ -213,16 +280,35 @@ class InfoReq:
 
 
 @dataclass
-class InfoOutput:
-    """scheduler -> tokenizer: the answer to an InfoReq."""
+class RunnerInfoReply(FromRunner):
+    """The runner's answer to an InfoReq, after the results of the steps before it."""
 
-    req_id: int
-    scheduler: dict
-    runner: dict
+    info: RunnerInfo
+    timeline: TimelineSummary
 
 
 @dataclass
-class RunnerReady:
+class InfoOutput:
+    """The scheduler's answer to an InfoReq: its own state and the runner's, each with its
+    step timeline over the window asked for."""
+
+    req_id: int
+    scheduler: SchedulerInfo
+    scheduler_timeline: TimelineSummary
+    runner: RunnerInfo
+    runner_timeline: TimelineSummary
+
+
+@dataclass
+class Replies(ToTokenizer):
+    """The scheduler's answers to what one turn of its inbox brought: a refused request's
+    error, a flush's outcome, live info."""
+
+    items: list[TokenOutput | FlushCacheOutput | InfoOutput]
+
+
+@dataclass
+class RunnerReady(FromRunner):
     """runner -> scheduler, once, before any plan: the KV cache the scheduler plans against."""
 
     num_slots: int

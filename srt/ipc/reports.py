@@ -85,6 +85,128 @@ class SchedulerInfo:
     mixed_decode_tokens: int  # decodes that rode along in prefill steps
 
 
+@dataclass(frozen=True)
+class OpImplInfo:
+    """Which implementation a layer op runs, outside graphs Inductor compiles and inside."""
+
+    impl: str  # kernel, reference
+    in_inductor_graph: str
+    why: str  # the `--custom-ops` entry, or the missing piece, that decided it
+
+
+@dataclass(frozen=True)
+class JitMiss:
+    what: str  # the kernel or frame that compiled
+    ms: float
+    during: str | None  # the step it happened in
+
+
+@dataclass(frozen=True)
+class JitMissesInfo:
+    """JIT compiles after the runner was ready: a count and the first few."""
+
+    count: int
+    listed: tuple[JitMiss, ...]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    pid: int
+    device: str
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """The model runner: its device and KV cache, its start part by part, and its graphs."""
+
+    device: str
+    dtype: str
+    attention_backend: str
+    kv_slots: int
+    kv_cache_bytes: int
+    context_length: int
+    tp_size: int
+    tp_ranks: tuple[RankInfo, ...]
+    device_init_s: float  # the CUDA context and cuBLAS's handles
+    load_s: float
+    custom_ops_s: float  # the layer kernels' selection and import
+    kv_alloc_s: float
+    warmup_s: float
+    capture_s: float  # captures before ready (upfront, manifest)
+    jit_misses: JitMissesInfo
+    graph_pool: GraphPoolInfo
+    compile: Any  # the compilation layer's `compile` section
+    custom_ops: dict[str, OpImplInfo]
+    graphs: dict[str, PhaseGraphsInfo]  # per phase
+
+
+@dataclass(frozen=True)
+class StepKindSummary:
+    """The steps of one kind (prefill, decode, ...) in a timeline's window."""
+
+    steps: int
+    requests_mean: float
+    tokens_mean: float
+    ms_total: float  # from their starts to the next step's (a long step counts in full)
+
+
+@dataclass(frozen=True)
+class TimelineSummary:
+    """Where a process's steps went over a window: the median milliseconds from each mark to
+    the next (`gaps_ms`, keyed `first_to_second`), from one step's start to the next's, and
+    per step kind; with the process's CPU seconds so far, so that two answers give its share."""
+
+    steps: int  # begun, all told
+    window_steps: int  # summed here
+    cpu_s: float
+    gaps_ms: dict[str, float]
+    period_ms: float | None
+    kinds: dict[str, StepKindSummary]
+
+
+@dataclass(frozen=True)
+class ReadyReport:
+    """What a child process tells the launcher, once, when it is ready: its start from its
+    spawn (the interpreter and its imports, then its own setup) and what it is serving with."""
+
+    pid: int
+    spawn_imports_s: float
+    setup_s: float
+    runner: RunnerInfo | None = None  # the model runner's (rank 0)
+
+
+@dataclass(frozen=True)
+class StartFailure:
+    """What a child tells the launcher instead, when it failed to start."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class ProcessStartup:
+    """One process's start, broken down into parts that sum to its total (`other_s`, the
+    rest, is never negative)."""
+
+    pid: int
+    total_s: float
+    breakdown: dict[str, float]
+    # A child's: when the launcher spawned it and heard it was ready (from the launch), and
+    # its own report (its interpreter and imports, then its setup).
+    spawned_after_s: float | None = None
+    ready_after_s: float | None = None
+    spawn_imports_s: float | None = None
+    setup_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ServerStartup:
+    startup_s: float  # from the launch to ready
+    ready_at: float  # time.time() then
+    ipc_dir: str
+    processes: dict[str, ProcessStartup]  # tokenizer, scheduler, model_runner[_rankN]
+
+
 def jsonable(record: object) -> Any:
     """A record (or anything holding records) as JSON data: dicts, lists and scalars."""
     return orjson.loads(orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS))

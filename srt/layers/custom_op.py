@@ -19,11 +19,11 @@ runs the reference.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from torch import nn
 
 from srt.compilation.op_registry import in_inductor_trace
+from srt.ipc.reports import OpImplInfo
 from srt.op_selection import OpImpl
 
 
@@ -48,7 +48,7 @@ def apply_custom_ops(model: nn.Module, impls: dict[str, OpImpl]) -> None:
             module.op_impls = dict(impls)
 
 
-def custom_ops_info(impls: dict[str, OpImpl]) -> dict[str, Any]:
+def custom_ops_info(impls: dict[str, OpImpl]) -> dict[str, OpImplInfo]:
     return {name: impl.info() for name, impl in sorted(impls.items())}
 
 
@@ -56,4 +56,4 @@ def describe_custom_ops(impls: dict[str, OpImpl]) -> Iterable[str]:
     """One line per op for the startup log."""
     for name, impl in sorted(impls.items()):
         info = impl.info()
-        yield f"{name}: {info['impl']} ({info['in_inductor_graph']} in Inductor graphs; {impl.why})"
+        yield f"{name}: {info.impl} ({info.in_inductor_graph} in Inductor graphs; {info.why})"

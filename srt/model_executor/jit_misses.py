@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from srt.batch_layout import ForwardMode
+from srt.ipc.reports import JitMiss, JitMissesInfo
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class JitMissLog:
 
     def __init__(self) -> None:
         self.count = 0
-        self.listed: list[dict[str, Any]] = []
+        self.listed: list[JitMiss] = []
         # (mode, requests, tokens) of the step being run, set by the runner for each step.
         self.step: tuple[ForwardMode, int, int] | None = None
 
@@ -56,11 +57,11 @@ class JitMissLog:
             during = f"{mode.name.lower()} step of {requests} request(s), {tokens} token(s)"
         self.count += 1
         if len(self.listed) < MAX_LISTED:
-            self.listed.append({"what": what, "ms": round(ms, 3), "during": during})
+            self.listed.append(JitMiss(what, round(ms, 3), during))
         logger.info("JIT miss after ready: %s took %.1f ms (%s)", what, ms, during or "no step")
 
-    def info(self) -> dict[str, Any]:
-        return {"count": self.count, "listed": list(self.listed)}
+    def info(self) -> JitMissesInfo:
+        return JitMissesInfo(self.count, tuple(self.listed))
 
 
 _armed: weakref.WeakSet[JitMissLog] = weakref.WeakSet()

@@ -12,12 +12,12 @@ plan from rank 0 (over the process group, not ZeroMQ) and runs it in step.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import zmq
 
-from srt.ipc.channels import Endpoints, bind_pull, connect_push, recv, send
-from srt.ipc.messages import BatchPlan, InfoReq, RunnerReady
+from srt.ipc.channels import FROM_RUNNER, TO_RUNNER, Endpoints, Receiver, Sender
+from srt.ipc.messages import BatchPlan, InfoReq, RunnerInfoReply, RunnerReady
+from srt.ipc.reports import RunnerInfo
 from srt.model_config import ModelConfig
 from srt.model_executor.model_runner import ModelRunner, PendingResult
 from srt.process import ReadyPipe, run_child
@@ -38,28 +38,28 @@ class RunnerLoop:
     def __init__(self, args: ServerArgs, endpoints: Endpoints, tp: TPRank) -> None:
         self.runner = _build_runner(args, tp)
         self.ctx = zmq.Context()
-        self.inbox = bind_pull(self.ctx, endpoints.runner_inbox)
-        self.results = connect_push(self.ctx, endpoints.runner_results)
-        send(self.results, RunnerReady(self.runner.num_slots, self.runner.context_length))
+        self.inbox = Receiver(self.ctx, endpoints, TO_RUNNER)
+        self.results = Sender(self.ctx, endpoints, FROM_RUNNER)
+        self.results.send(RunnerReady(self.runner.num_slots, self.runner.context_length))
         # Per step: plan received, launched (on CUDA, queued on the device), result sent.
         self.timeline = StepTimeline(("received", "launched", "result_sent"))
 
     def _send_result(self, pending: PendingResult) -> None:
-        send(self.results, pending.wait())
+        self.results.send(pending.wait())
         self.timeline.mark("result_sent", pending.step)
 
-    def figures(self) -> dict[str, Any]:
-        return {"info": self.runner.info()}
+    def runner_info(self) -> RunnerInfo:
+        return self.runner.info()
 
     def run(self) -> None:
         pending: PendingResult | None = None  # launched, result not sent yet
         while True:
-            if pending is not None and not self.inbox.poll(0):
+            if pending is not None and not self.inbox.poll():
                 if pending.ready():
                     self._send_result(pending)
                     pending = None
                 continue
-            msg = recv(self.inbox)
+            msg = self.inbox.recv()
             if isinstance(msg, BatchPlan):
                 if pending is not None and pending.ready():  # always so on the CPU
                     self._send_result(pending)
@@ -75,7 +75,7 @@ class RunnerLoop:
                     self._send_result(pending)
                     pending = None
                 timeline = self.timeline.summary(msg.timeline_since)
-                send(self.results, {**self.runner.info(), "timeline": timeline})
+                self.results.send(RunnerInfoReply(self.runner.info(), timeline))
             else:
                 raise TypeError(f"model runner got an unexpected message {type(msg).__name__}")
 
@@ -86,8 +86,8 @@ class FollowerLoop:
     def __init__(self, args: ServerArgs, tp: TPRank) -> None:
         self.runner = _build_runner(args, tp)
 
-    def figures(self) -> dict[str, Any]:
-        return {"rank": self.runner.tp.rank}
+    def runner_info(self) -> None:
+        return None  # rank 0 reports the runner
 
     def run(self) -> None:
         self.runner.follow()

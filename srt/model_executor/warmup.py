@@ -17,6 +17,8 @@ random state that serving sees.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from srt.batch_layout import DUMMY_SLOT, ForwardMode
@@ -33,27 +35,34 @@ def warmup_plan(mode: ForwardMode, prefix: int, extend: int, sampled: bool) -> B
     seq = prefix + extend
     ints = np.int32
 
-    def one(value: float, dtype: type[np.generic]) -> np.ndarray:
+    def one(value: float, dtype: type[np.generic] = ints) -> np.ndarray:
         return np.array([value], dtype=dtype)
 
-    return BatchPlan(
-        forward_mode=int(mode),
+    plan = BatchPlan.greedy(
+        mode,
         input_ids=np.zeros(extend, ints),
         positions=np.arange(prefix, seq, dtype=ints),
         out_cache_loc=np.full(extend, DUMMY_SLOT, ints),
-        req_pool_indices=one(WARMUP_ROW, ints),
-        prefix_lens=one(prefix, ints),
-        extend_lens=one(extend, ints),
-        table_rows=np.full(seq, WARMUP_ROW, ints),
-        table_cols=np.arange(seq, dtype=ints),
-        table_slots=np.full(seq, DUMMY_SLOT, ints),
-        temperatures=one(0.7 if sampled else 0.0, np.float32),
-        top_ps=one(0.9 if sampled else 1.0, np.float32),
-        top_ks=one(20 if sampled else 1 << 30, np.int64),
-        min_ps=one(0.05 if sampled else 0.0, np.float32),
+        req_pool_indices=one(WARMUP_ROW),
+        prefix_lens=one(prefix),
+        extend_lens=one(extend),
+        table=(
+            np.full(seq, WARMUP_ROW, ints),
+            np.arange(seq, dtype=ints),
+            np.full(seq, DUMMY_SLOT, ints),
+        ),
+    )
+    if not sampled:
+        return plan
+    return dataclasses.replace(
+        plan,
+        temperatures=one(0.7, np.float32),
+        top_ps=one(0.9, np.float32),
+        top_ks=one(20, np.int64),
+        min_ps=one(0.05, np.float32),
         seeds=one(1234, np.int64),
-        return_logprob=sampled,
-        top_logprobs_num=2 if sampled else 0,
+        return_logprob=True,
+        top_logprobs_num=2,
     )
 
 

@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import zmq
 
 from srt.batch_layout import ForwardMode
-from srt.ipc.channels import Endpoints, bind_pull, connect_push, recv, send
+from srt.ipc.channels import (
+    FROM_RUNNER,
+    TO_RUNNER,
+    TO_SCHEDULER,
+    TO_TOKENIZER,
+    Endpoints,
+    Receiver,
+    Sender,
+)
 from srt.ipc.messages import (
     AbortReq,
     BatchPlan,
@@ -28,9 +36,12 @@ from srt.ipc.messages import (
     GenerateReq,
     InfoOutput,
     InfoReq,
+    Replies,
+    RunnerInfoReply,
     RunnerReady,
     StepOutputs,
     TokenOutput,
+    ToScheduler,
 )
 from srt.model_config import ModelConfig
 from srt.process import ReadyPipe, run_child
@@ -40,6 +51,8 @@ from srt.timeline import StepTimeline
 
 logger = logging.getLogger(__name__)
 
+R = TypeVar("R")
+
 # While requests wait for KV room that no running request is about to free, poll this often (ms).
 _BLOCKED_POLL_MS = 10
 
@@ -47,15 +60,14 @@ _BLOCKED_POLL_MS = 10
 class SchedulerLoop:
     def __init__(self, args: ServerArgs, endpoints: Endpoints) -> None:
         self.ctx = zmq.Context()
-        self.inbox = bind_pull(self.ctx, endpoints.scheduler_inbox)
-        self.results = bind_pull(self.ctx, endpoints.runner_results)
-        self.to_runner = connect_push(self.ctx, endpoints.runner_inbox)
-        self.to_tokenizer = connect_push(self.ctx, endpoints.tokenizer_inbox)
+        self.inbox = Receiver(self.ctx, endpoints, TO_SCHEDULER)
+        self.results = Receiver(self.ctx, endpoints, FROM_RUNNER)
+        self.to_runner = Sender(self.ctx, endpoints, TO_RUNNER)
+        self.to_tokenizer = Sender(self.ctx, endpoints, TO_TOKENIZER)
         assert args.model_path is not None, "the launcher resolves model_path"
         config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
-        ready = recv(self.results)  # the runner's first message, once its KV cache exists
-        if not isinstance(ready, RunnerReady):
-            raise TypeError(f"expected RunnerReady from the runner, got {type(ready).__name__}")
+        # The runner's first message, once its KV cache exists.
+        ready = self._from_runner(RunnerReady)
         self.scheduler = Scheduler(
             args,
             num_slots=ready.num_slots,
@@ -68,12 +80,12 @@ class SchedulerLoop:
         # outputs sent to the tokenizer.
         self.timeline = StepTimeline(("start", "planned", "sent", "received", "outputs_sent"))
 
-    def figures(self) -> dict[str, Any]:
-        return {"info": self.scheduler.info()}
+    def runner_info(self) -> None:
+        return None
 
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.inbox.socket, zmq.POLLIN)
         timeout: int | None = 0
         while True:
             if not self.scheduler.has_work:
@@ -106,33 +118,39 @@ class SchedulerLoop:
             len(plan.extend_lens),
             len(plan.input_ids),
         )
-        send(self.to_runner, plan)
+        self.to_runner.send(plan)
         self.timeline.mark("sent")
         return self._result
 
     def _result(self) -> BatchResult:
-        result = recv(self.results)  # the runner answers in order
+        result = self._from_runner(BatchResult)  # the runner answers in order
         self.timeline.mark("received")
         return result
 
+    def _from_runner(self, kind: type[R]) -> R:
+        msg = self.results.recv()
+        if not isinstance(msg, kind):
+            raise TypeError(f"expected {kind.__name__} from the runner, got {type(msg).__name__}")
+        return msg
+
     def _send_outputs(self, outputs: list[TokenOutput]) -> None:
         if outputs:
-            send(self.to_tokenizer, StepOutputs.pack(outputs))
+            self.to_tokenizer.send(StepOutputs.pack(outputs))
 
     def _handle_inbox(self) -> None:
-        replies: list[Any] = []
+        replies: list[TokenOutput | FlushCacheOutput | InfoOutput] = []
         while True:
             try:
-                msg = recv(self.inbox, zmq.NOBLOCK)
+                msg = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             reply = self._handle(msg)
             if reply is not None:
                 replies.append(reply)
         if replies:
-            send(self.to_tokenizer, replies)
+            self.to_tokenizer.send(Replies(replies))
 
-    def _handle(self, msg: Any) -> Any:
+    def _handle(self, msg: ToScheduler) -> TokenOutput | FlushCacheOutput | InfoOutput | None:
         if isinstance(msg, GenerateReq):
             try:
                 self.scheduler.add_request(msg)
@@ -147,10 +165,12 @@ class SchedulerLoop:
         if isinstance(msg, InfoReq):
             # The runner's reply comes after the result of the step in flight: take it first.
             self._send_outputs(self.scheduler.drain())
-            send(self.to_runner, msg)
+            self.to_runner.send(msg)
             timeline = self.timeline.summary(msg.timeline_since)
-            info = {**self.scheduler.info(), "timeline": timeline}
-            return InfoOutput(msg.req_id, info, recv(self.results))
+            runner = self._from_runner(RunnerInfoReply)
+            return InfoOutput(
+                msg.req_id, self.scheduler.info(), timeline, runner.info, runner.timeline
+            )
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from srt.ipc.reports import ProcessStartup, ReadyReport, RunnerInfo, ServerStartup, StartFailure
 from srt.process import ChildEntry, ReadyPipe
 from srt.server_args import ServerArgs
 from srt.tp_rank import tp_ranks
@@ -73,31 +74,45 @@ class Child:
         )
         self.process.start()
         writer.close()  # the child holds the only writer: EOF means it is gone
-        self.figures: dict[str, Any] | None = None
+        self.report: ReadyReport | None = None
+        self.ready_after_s = 0.0
 
     def check(self, start: float) -> None:
         """Take its ready report if one came; raise BackendFailed if it failed or died.
 
         `start` is the launch time, from which `ready_after_s` is timed (the child times its
         own parts from its spawn)."""
-        if self.figures is None and self.reader.poll():
+        if self.report is None and self.reader.poll():
             try:
                 report = self.reader.recv()
             except EOFError:  # died without a report; seen below once it is reaped
-                report = {}
-            if "error" in report:
-                raise BackendFailed(f"{self.name} failed to start: {report['error']}")
-            if report:
-                self.figures = {
-                    **report,
-                    "spawned_after_s": self.spawned_after_s,
-                    "ready_after_s": round(time.perf_counter() - start, 3),
-                }
+                report = None
+            if isinstance(report, StartFailure):
+                raise BackendFailed(f"{self.name} failed to start: {report.error}")
+            if isinstance(report, ReadyReport):
+                self.report = report
+                self.ready_after_s = round(time.perf_counter() - start, 3)
         if not self.process.is_alive():
             raise BackendFailed(
                 f"{self.name} process (pid {self.process.pid}) died "
                 f"with exit code {self.process.exitcode}"
             )
+
+    def startup(self, parts: dict[str, float]) -> ProcessStartup:
+        """Its `processes` entry: its total (spawn to ready report, as the child timed it)
+        broken down into `parts` (the rest in `other_s`)."""
+        report = self.report
+        assert report is not None, "only once it reported ready"
+        total_s = round(report.spawn_imports_s + report.setup_s, 3)
+        return ProcessStartup(
+            report.pid,
+            total_s,
+            with_other(total_s, {"spawn_imports_s": report.spawn_imports_s, **parts}),
+            self.spawned_after_s,
+            self.ready_after_s,
+            report.spawn_imports_s,
+            report.setup_s,
+        )
 
     def stop(self) -> None:
         if self.process.is_alive():
@@ -230,7 +245,7 @@ class Launcher:
             if (
                 not self.manager.ready
                 and tokenizer.done()
-                and all(c.figures for c in self.children.values())
+                and all(c.report for c in self.children.values())
             ):
                 self._mark_ready()
             await asyncio.sleep(_SUPERVISE_S if self.manager.ready else _STARTING_POLL_S)
@@ -242,73 +257,54 @@ class Launcher:
         return 0
 
     def _mark_ready(self) -> None:
-        from srt.server.metrics import graph_figures
-
         assert self.manager is not None
-        runner = self.children["model_runner"].figures
-        scheduler = self.children["scheduler"].figures
-        assert runner is not None and scheduler is not None
-        followers = {
-            name: _child_entry(c.figures, {"spawn_imports_s": c.figures["spawn_imports_s"]})
-            for name, c in self.children.items()
-            if name.startswith("model_runner_rank") and c.figures is not None
+        runner = self.children["model_runner"]
+        info = runner.report.runner if runner.report is not None else None
+        assert info is not None, "the model runner reports its info"
+        processes = {
+            "scheduler": self.children["scheduler"].startup({}),
+            "model_runner": runner.startup(runner_parts(info)),
+            **{
+                name: child.startup({})
+                for name, child in self.children.items()
+                if name.startswith("model_runner_rank")
+            },
         }
-        info = runner["info"]
-        runner_entry = {
-            **_child_entry(runner, runner_parts(runner)),
-            "load_s": info["load_s"],
-            **graph_figures(info),
-        }
-        scheduler_entry = _child_entry(scheduler, {"spawn_imports_s": scheduler["spawn_imports_s"]})
-        backends = ", ".join(
-            f"{phase} {g['backend']}" for phase, g in (info.get("graphs") or {}).items()
-        )
+        backends = ", ".join(f"{phase} {g.backend}" for phase, g in info.graphs.items())
         logger.info(
             "model_runner ready after %.2f s (pid %d; %s); tp %d, %s %s, %s attention, graphs: "
             "%s; %d KV slots, context length %d",
-            runner["ready_after_s"],
-            runner["pid"],
-            parts_text(runner_entry),
-            info["tp_size"],
-            info["device"],
-            info["dtype"],
-            info["attention_backend"],
+            runner.ready_after_s,
+            processes["model_runner"].pid,
+            parts_text(processes["model_runner"]),
+            info.tp_size,
+            info.device,
+            info.dtype,
+            info.attention_backend,
             backends or "none",
-            info["kv_slots"],
-            info["context_length"],
+            info.kv_slots,
+            info.context_length,
         )
         # Its "other" is mostly the wait for the runner's KV cache, which it plans against.
+        scheduler = processes["scheduler"]
         logger.info(
             "scheduler ready after %.2f s (pid %d; %s)",
-            scheduler["ready_after_s"],
-            scheduler["pid"],
-            parts_text(scheduler_entry),
+            scheduler.ready_after_s,
+            scheduler.pid,
+            parts_text(scheduler),
         )
         startup_s = round(time.perf_counter() - self.launched, 3)
-        tokenizer_entry = {
-            "pid": os.getpid(),
-            "total_s": startup_s,
-            "breakdown": with_other(startup_s, self.parts),
-        }
+        tokenizer = ProcessStartup(os.getpid(), startup_s, with_other(startup_s, self.parts))
         self.manager.mark_ready(
-            info["context_length"],
-            info["kv_slots"],
-            {
-                "startup_s": startup_s,
-                "ready_at": time.time(),
-                "ipc_dir": self.endpoints.dir,
-                "processes": {
-                    "tokenizer": tokenizer_entry,
-                    "scheduler": scheduler_entry,
-                    "model_runner": runner_entry,
-                    **followers,
-                },
-            },
+            info,
+            ServerStartup(
+                startup_s, time.time(), self.endpoints.dir, {"tokenizer": tokenizer, **processes}
+            ),
         )
         logger.info(
             "server ready in %.2f s (this process: %s): serving %s at http://%s:%d",
             startup_s,
-            parts_text(tokenizer_entry),
+            parts_text(tokenizer),
             self.manager.model_name,
             self.args.host,
             self.args.port,
@@ -324,22 +320,19 @@ class Launcher:
         self.endpoints.remove()
 
 
-def runner_parts(figures: dict[str, Any]) -> dict[str, float]:
-    """The model runner's start, part by part: its spawn and imports, then its own setup
-    (`warmup_s` where the runner reports one)."""
-    info = figures["info"]
-    compiled = info.get("compile") or {}
+def runner_parts(info: RunnerInfo) -> dict[str, float]:
+    """The model runner's own setup, part by part (after its spawn and imports)."""
+    compiled = info.compile or {}
     return {
-        "spawn_imports_s": figures["spawn_imports_s"],
-        "device_init_s": info["device_init_s"],  # the CUDA context and cuBLAS's handles
-        "load_s": info["load_s"],
-        "custom_ops_s": info["custom_ops_s"],  # the layer kernels' selection and import
-        "kv_alloc_s": info["kv_alloc_s"],
+        "device_init_s": info.device_init_s,  # the CUDA context and cuBLAS's handles
+        "load_s": info.load_s,
+        "custom_ops_s": info.custom_ops_s,  # the layer kernels' selection and import
+        "kv_alloc_s": info.kv_alloc_s,
         "dynamo_s": compiled.get("dynamo_s", 0.0),
         "graph_load_s": compiled.get("graph_load_s", 0.0),  # the saved trace, on a warm start
         "inductor_s": compiled.get("compile_s", 0.0),
-        "warmup_s": info.get("warmup_s", 0.0),
-        "capture_s": info["capture_s"],
+        "warmup_s": info.warmup_s,
+        "capture_s": info.capture_s,
     }
 
 
@@ -350,21 +343,10 @@ def with_other(total_s: float, parts: dict[str, float]) -> dict[str, float]:
     return {**named, "other_s": round(max(total_s - sum(named.values()), 0.0), 3)}
 
 
-def _child_entry(figures: dict[str, Any], parts: dict[str, float]) -> dict[str, Any]:
-    """A child's `processes` entry: its report (less the runner info, which the server info
-    has in full) with its total (spawn to ready report, as the child timed it) broken down."""
-    total_s = round(figures["spawn_imports_s"] + figures["setup_s"], 3)
-    return {
-        **{k: v for k, v in figures.items() if k != "info"},
-        "total_s": total_s,
-        "breakdown": with_other(total_s, parts),
-    }
-
-
-def parts_text(entry: dict[str, Any]) -> str:
+def parts_text(entry: ProcessStartup) -> str:
     """`total 2.31 s: spawn imports 1.80 s, load 0.04 s, ...` for a ready line."""
     parts = ", ".join(
         f"{name.removesuffix('_s').replace('_', ' ')} {seconds:.2f} s"
-        for name, seconds in entry["breakdown"].items()
+        for name, seconds in entry.breakdown.items()
     )
-    return f"total {entry['total_s']:.2f} s: {parts}"
+    return f"total {entry.total_s:.2f} s: {parts}"

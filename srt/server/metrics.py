@@ -7,9 +7,9 @@ runner info at each scrape.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from srt.ipc.reports import RunnerInfo, SchedulerInfo
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -36,17 +36,14 @@ _LATENCY_BUCKETS = (
 )
 
 
-def graph_figures(runner_info: dict[str, Any]) -> dict[str, float]:
-    """Compile seconds, capture seconds and captured buckets from `ModelRunner.info()`.
-
-    Reads `info["compile"]["total_s"]` and, per phase of `info["graphs"]`, `capture_s` and the
-    `captured` bucket list; a runner without them (eager phases) reports zeros.
-    """
-    phases = (runner_info.get("graphs") or {}).values()
+def graph_figures(runner: RunnerInfo) -> dict[str, float]:
+    """Compile seconds, capture seconds and captured buckets of the runner, all phases."""
+    phases = runner.graphs.values()
+    compiled = runner.compile or {}
     return {
-        "compile_s": float((runner_info.get("compile") or {}).get("total_s", 0.0)),
-        "capture_s": float(sum(p.get("capture_s", 0.0) for p in phases)),
-        "captured_buckets": sum(len(p.get("captured", ())) for p in phases),
+        "compile_s": float(compiled.get("total_s", 0.0)),
+        "capture_s": float(sum(p.capture_s for p in phases)),
+        "captured_buckets": sum(len(p.captured) for p in phases),
     }
 
 
@@ -98,16 +95,14 @@ class ServerMetrics:
         self.requests.labels(reason).inc()
         self.e2e.observe(e2e_s)
 
-    def render(
-        self, scheduler_info: dict[str, Any], runner_info: dict[str, Any], startup_s: float
-    ) -> bytes:
+    def render(self, scheduler: SchedulerInfo, runner: RunnerInfo, startup_s: float) -> bytes:
         """The Prometheus text exposition, gauges set from the live info."""
-        graphs = graph_figures(runner_info)
+        graphs = graph_figures(runner)
         values = {
-            "running_requests": scheduler_info["running_requests"],
-            "queued_requests": scheduler_info["queued_requests"],
-            "kv_cache_usage_ratio": scheduler_info["kv_usage"],
-            "kv_cache_used_slots": scheduler_info["kv_slots_used"],
+            "running_requests": scheduler.running_requests,
+            "queued_requests": scheduler.queued_requests,
+            "kv_cache_usage_ratio": scheduler.kv_usage,
+            "kv_cache_used_slots": scheduler.kv_slots_used,
             "captured_buckets": graphs["captured_buckets"],
             "compile_seconds": graphs["compile_s"],
             "capture_seconds": graphs["capture_s"],

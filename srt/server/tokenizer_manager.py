@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from srt.errors import InvalidRequest
-from srt.ipc.channels import Endpoints, bind_pull, connect_push, loads, send
+from srt.ipc.channels import TO_SCHEDULER, TO_TOKENIZER, Endpoints, Receiver, Sender
 from srt.ipc.messages import (
     AbortReq,
     FlushCacheOutput,
@@ -31,9 +31,11 @@ from srt.ipc.messages import (
     GenerateReq,
     InfoOutput,
     InfoReq,
+    Replies,
     StepOutputs,
     TokenOutput,
 )
+from srt.ipc.reports import RunnerInfo, ServerStartup
 from srt.model_config import ModelConfig
 from srt.request_limits import RequestLimits
 from srt.server.hf_tokenizer import load_tokenizer
@@ -65,16 +67,16 @@ class TokenizerManager:
         self.failure: str | None = None
         self.context_length = 0
         self.kv_capacity = 0
-        self.startup: dict[str, Any] = {}
+        self.startup: ServerStartup | None = None
         self.frontend: RequestFrontend | None = None  # once the limits are known
         # Requests are prepared (tokenized) here, off the event loop; one thread, because a
         # tokenizer is not safe to use from several at once.
         self.prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="srt-tokenize")
 
         self.ctx = zmq.asyncio.Context()
-        self.inbox = bind_pull(self.ctx, endpoints.tokenizer_inbox)
+        self.inbox = Receiver(self.ctx, endpoints, TO_TOKENIZER)
         self.sync_ctx = zmq.Context()  # sends never wait (no high-water mark), so stay sync
-        self.to_scheduler = connect_push(self.sync_ctx, endpoints.scheduler_inbox)
+        self.to_scheduler = Sender(self.sync_ctx, endpoints, TO_SCHEDULER)
         self.seq_queues: dict[str, asyncio.Queue[TokenOutput]] = {}
         self.info_waiters: dict[int, asyncio.Future[InfoOutput]] = {}
         self.flush_waiters: deque[asyncio.Future[bool]] = deque()
@@ -89,12 +91,13 @@ class TokenizerManager:
         assert path is not None, "the launcher resolves model_path"
         self.tokenizer = load_tokenizer(path)
 
-    def mark_ready(self, context_length: int, kv_capacity: int, startup: dict[str, Any]) -> None:
+    def mark_ready(self, runner: RunnerInfo, startup: ServerStartup) -> None:
+        """Serve from now on, within the context and KV cache the runner made."""
         assert self.tokenizer is not None, "load_tokenizer comes first"
-        self.context_length, self.kv_capacity, self.startup = context_length, kv_capacity, startup
-        self.frontend = RequestFrontend(
-            self.tokenizer, RequestLimits(self.model_config.vocab_size, context_length, kv_capacity)
-        )
+        self.context_length, self.kv_capacity = runner.context_length, runner.kv_slots
+        self.startup = startup
+        limits = RequestLimits(self.model_config.vocab_size, self.context_length, self.kv_capacity)
+        self.frontend = RequestFrontend(self.tokenizer, limits)
         self.ready = True
 
     def fail(self, reason: str) -> int:
@@ -122,15 +125,17 @@ class TokenizerManager:
     async def handle_outputs(self) -> None:
         """Route everything the scheduler sends back; runs for the life of the server."""
         while True:
-            frames = await self.inbox.recv_multipart()
+            received = await self.inbox.recv_async()
             self.timeline.begin()
-            received = loads(frames)
-            # A step's outputs come packed in one message; replies come as a list.
+            # A step's outputs come packed in one message; replies come together.
+            msgs: list[TokenOutput] | list[TokenOutput | FlushCacheOutput | InfoOutput]
             if isinstance(received, StepOutputs):
-                msgs: list[Any] = received.unpack()
-            else:
+                msgs = received.unpack()
+            elif isinstance(received, Replies):
                 self.timeline.discard()
-                msgs = received
+                msgs = received.items
+            else:
+                raise TypeError(f"tokenizer got an unexpected message {type(received).__name__}")
             for msg in msgs:
                 if isinstance(msg, TokenOutput):
                     queue = self.seq_queues.get(msg.rid)
@@ -158,7 +163,7 @@ class TokenizerManager:
         req_id = next(self.info_ids)
         waiter = asyncio.get_running_loop().create_future()
         self.info_waiters[req_id] = waiter
-        send(self.to_scheduler, InfoReq(req_id, timeline_since))
+        self.to_scheduler.send(InfoReq(req_id, timeline_since))
         try:
             return await waiter
         finally:
@@ -168,7 +173,7 @@ class TokenizerManager:
         self.check_ready()
         waiter = asyncio.get_running_loop().create_future()
         self.flush_waiters.append(waiter)
-        send(self.to_scheduler, FlushCacheReq())
+        self.to_scheduler.send(FlushCacheReq())
         return await waiter
 
     # ---- requests -------------------------------------------------------------------------
@@ -199,7 +204,7 @@ class TokenizerManager:
         pending = set(rids)
         for rid, seq in zip(rids, seqs, strict=True):
             self.seq_queues[rid] = queue
-            send(self.to_scheduler, GenerateReq(rid, seq.input_ids, seq.params, stream=True))
+            self.to_scheduler.send(GenerateReq(rid, seq.input_ids, seq.params, stream=True))
             self.metrics.prompt_tokens.inc(len(seq.input_ids))
         try:
             while pending:
@@ -228,7 +233,7 @@ class TokenizerManager:
                         self.seq_queues.pop(out.rid, None)
                         self.metrics.observe_finish(update.finish_reason, now - arrival)
                         if abort:  # a stop string: the scheduler, seeing only ids, runs it on
-                            send(self.to_scheduler, AbortReq(out.rid))
+                            self.to_scheduler.send(AbortReq(out.rid))
                     yield update
         finally:
             for rid in rids:
@@ -236,7 +241,7 @@ class TokenizerManager:
                 if rid in pending:
                     self.metrics.observe_finish("abort", time.perf_counter() - arrival)
                     if self.failure is None:
-                        send(self.to_scheduler, AbortReq(rid))
+                        self.to_scheduler.send(AbortReq(rid))
 
     async def generate_all(self, seqs: list[Seq]) -> list[SeqResult]:
         results = [SeqResult(i) for i in range(len(seqs))]

@@ -53,7 +53,7 @@ class FlashInferStep:
     plan_id: int | None = None  # which of the backend's plans is its (None: not planned)
 
 
-def indptr(lengths: list[int]) -> torch.Tensor:
+def indptr(lengths: np.ndarray) -> torch.Tensor:
     """[len + 1] int32 on the host: FlashInfer's plan reads it there (no device sync)."""
     return torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
 
@@ -62,7 +62,7 @@ def kv_indices(batch: ForwardBatch) -> torch.Tensor:
     """The slots of every real request's KV, concatenated: its pages at page size 1. Built
     on the device without a sync, the total being known from the host lengths."""
     bs = batch.batch_size
-    total = sum(batch.seq_lens_cpu)
+    total = int(batch.seq_lens_cpu.sum())
     seq_lens = batch.seq_lens[:bs].long()
     rows = torch.repeat_interleave(batch.req_pool_indices[:bs].long(), seq_lens, output_size=total)
     firsts = torch.repeat_interleave(seq_lens.cumsum(0) - seq_lens, seq_lens, output_size=total)
@@ -166,7 +166,7 @@ class FlashInferBackend(AttentionBackend):
         pad = bucket - bs
         real = kv_indices(batch)
         pages = (
-            indptr(batch.seq_lens_cpu + [1] * pad),
+            indptr(np.concatenate([batch.seq_lens_cpu, np.ones(pad, np.int64)])),
             torch.cat([real, real.new_full((pad,), DUMMY_SLOT)]),
             torch.ones(bucket, dtype=torch.int32),
         )

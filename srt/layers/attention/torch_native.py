@@ -21,9 +21,9 @@ class TorchNativeBackend(AttentionBackend):
         k_cache, v_cache = x.k_cache, x.v_cache
         start = 0
         for row, prefix, extend in zip(
-            batch.req_pool_indices_cpu,
-            batch.prefix_lens_cpu,
-            batch.extend_lens_cpu,
+            batch.req_pool_indices_cpu.tolist(),
+            batch.prefix_lens_cpu.tolist(),
+            batch.extend_lens_cpu.tolist(),
             strict=True,
         ):
             slots = batch.req_to_token[row, : prefix + extend]

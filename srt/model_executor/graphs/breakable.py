@@ -26,6 +26,7 @@ from srt.ipc.reports import CaptureInfo
 from srt.layers.attention.layer import forward_context
 from srt.layers.sampler import SamplingArrays
 from srt.model_executor.graphs.capture import CaptureContext, StaticLogits
+from srt.model_executor.graphs.config import Backend
 from srt.model_executor.graphs.pool import CaptureSession, Graph, unowned
 from srt.model_executor.graphs.static_batch import real_requests
 
@@ -86,7 +87,7 @@ class SplitAtOps(TorchFunctionMode):
 
 
 class BreakableCapture:
-    name: ClassVar[str] = "breakable"
+    name: ClassVar[Backend] = Backend.BREAKABLE
     warmup_runs: ClassVar[int] = 2
 
     def __init__(self, ctx: CaptureContext) -> None:

@@ -20,7 +20,7 @@ from srt.forward_batch import ForwardBatch
 from srt.ipc.reports import CaptureInfo
 from srt.layers.attention.base import AttentionBackend
 from srt.layers.sampler import SamplingArrays
-from srt.model_executor.graphs.config import Phase
+from srt.model_executor.graphs.config import Backend, Phase
 from srt.model_executor.graphs.phase_forward import ModelForward
 from srt.model_executor.graphs.pool import CaptureSession, GraphPool
 
@@ -60,7 +60,7 @@ class CaptureContext:
 class Capture(Protocol):
     """One capture kind: how a bucket is recorded around the phase's forward and replayed."""
 
-    name: ClassVar[str]  # the backend it implements, for the log
+    name: ClassVar[Backend]  # the backend it implements
     # Eager runs before the budget check and the capture: the first compiles and allocates what
     # a capture must not, the last measures the peak memory the capture will need.
     warmup_runs: ClassVar[int]

@@ -152,7 +152,7 @@ def resolve_graph_config(
             "tc_compiler": args.cuda_graph_tc_compiler,
         }
         if args.disable_cuda_graph:
-            from_flags["backend"] = "disabled"
+            from_flags["backend"] = Backend.DISABLED
         raw = {k: v for k, v in from_flags.items() if v is not None}
         raw.update(from_json)
         if "tc_compiler" not in from_json and not _flag_compiler_applies(
@@ -185,10 +185,10 @@ def resolve_graph_config(
     return configs
 
 
-def _default_backend(phase: Phase, device: str, decode_graph_capable: bool) -> str:
+def _default_backend(phase: Phase, device: str, decode_graph_capable: bool) -> Backend:
     if phase is Phase.DECODE and device == "cuda":
-        return "full" if decode_graph_capable else "breakable"
-    return "disabled"
+        return Backend.FULL if decode_graph_capable else Backend.BREAKABLE
+    return Backend.DISABLED
 
 
 def _flag_compiler_applies(backend: str, args: ServerArgs) -> bool:

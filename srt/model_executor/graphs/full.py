@@ -31,12 +31,12 @@ from srt.ipc.reports import CaptureInfo
 from srt.layers.attention.layer import forward_context
 from srt.layers.sampler import SamplingArrays, SamplingBatch, SamplingBuffers, greedy_ids, sample
 from srt.model_executor.graphs.capture import CaptureContext, StaticLogits
-from srt.model_executor.graphs.config import GraphConfigError
+from srt.model_executor.graphs.config import Backend, GraphConfigError
 from srt.model_executor.graphs.pool import CaptureSession, Graph
 
 
 class FullCapture:
-    name: ClassVar[str] = "full"
+    name: ClassVar[Backend] = Backend.FULL
     warmup_runs: ClassVar[int] = 2
 
     def __init__(self, ctx: CaptureContext) -> None:

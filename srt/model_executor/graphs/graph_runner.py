@@ -14,14 +14,16 @@ budget says no) and recorded in the compile cache's manifest; every later batch 
 bucket replays; batches beyond the largest bucket, of a skipped bucket, or on a device with
 nothing to capture run the forward uncaptured.
 
-`run(batch) -> logits [B, V]` (valid until the next run), `take_greedy()` (their argmax where
-the graph computed it), `take_sampled(arrays)` (them sampled in a graph, where the capture kind
-does that), `run_general(batch)` (the same logits through the uncaptured general path, moving
-no bucket state, counter or manifest entry: the warm-up before ready runs it),
+`run(plan, prev_sampled) -> (batch, logits [B, V])` (the logits valid until the next run: the
+plan uploaded once, fresh or into the bucket's static buffer), `take_greedy()` (their argmax
+where the graph computed it), `take_sampled(arrays)` (them sampled in a graph, where the
+capture kind does that), `run_general(plan)` (the same logits through the uncaptured general
+path, moving no bucket state, counter or manifest entry: the warm-up before ready runs it),
 `prewarm(buckets)` (specialise those now: `upfront` / `manifest` capture) and `info()`.
 
-How decode runs, start to end: `ModelRunner.launch` (model_runner.py) builds the batch from the
-scheduler's plan, `GraphRunner.run` here pads it into the bucket's static buffers,
+How decode runs, start to end: `ModelRunner.launch` (model_runner.py) hands the scheduler's
+plan to the phase's runner, `GraphRunner.run` here lays it out padded in the bucket's static
+buffer in one upload (step_inputs.py),
 `FullCapture.replay` (full.py) refills the attention backend's static metadata and replays the
 graph, and `ModelRunner.sample` takes the graph's argmax or replays its sampler.
 """
@@ -38,6 +40,7 @@ import torch
 
 from srt.batch_layout import ForwardMode
 from srt.forward_batch import ForwardBatch
+from srt.ipc.messages import BatchPlan
 from srt.ipc.reports import BucketInfo, PhaseGraphsInfo
 from srt.layers.sampler import SamplingArrays
 from srt.model_executor.graphs.breakable import BreakableCapture
@@ -46,7 +49,8 @@ from srt.model_executor.graphs.config import Backend, Phase, PhaseConfig
 from srt.model_executor.graphs.full import FullCapture
 from srt.model_executor.graphs.phase_forward import ModelForward, RunnerEnv, make_forward
 from srt.model_executor.graphs.piecewise import PiecewiseCapture
-from srt.model_executor.graphs.static_batch import StaticBatch, dummy_batch
+from srt.model_executor.graphs.static_batch import StaticBatch, dummy_plan
+from srt.model_executor.step_inputs import upload_step
 
 logger = logging.getLogger(__name__)
 
@@ -110,39 +114,53 @@ class GraphRunner:
         self.static = StaticBatch(self.ctx.largest, self.ctx.max_rows, env.device)
         self.capture = kind(self.ctx)
 
-    def bucket_of(self, batch: ForwardBatch) -> int | None:
-        n = batch.batch_size if self.phase.mode == ForwardMode.DECODE else batch.num_tokens
+    def bucket_of(self, plan: BatchPlan) -> int | None:
+        n = plan.batch_size if self.phase.mode == ForwardMode.DECODE else plan.num_tokens
         return self.config.bucket_for(n)
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] of each request's last token."""
+    def run(
+        self, plan: BatchPlan, prev_sampled: torch.Tensor | None = None
+    ) -> tuple[ForwardBatch, torch.Tensor]:
+        """The step's batch on the device (its table writes applied, its ids from
+        `prev_sampled` where the plan says so) and the logits [B, V] of each request's last
+        token."""
         self.replayed = False
-        bucket = self.bucket_of(batch) if self.capture is not None else None
+        bucket = self.bucket_of(plan) if self.capture is not None else None
         if self.capture is None or self.static is None or bucket is None:
-            return self.run_uncaptured(batch)
+            return self.run_uncaptured(plan, prev_sampled)
         record = self.records[bucket]
         if record.state is BucketState.UNSEEN:
             if self.env.cache is not None:  # the next start can prewarm it (manifest mode)
                 self.env.cache.manifest.record(self.phase.value, bucket)
-            self.specialise(bucket, batch)
+            self.specialise(bucket, plan, prev_sampled)
         if record.state is BucketState.SKIPPED:
-            return self.run_uncaptured(batch)
+            return self.run_uncaptured(plan, prev_sampled)
         record.replays += 1
-        padded = self.static.load(batch, bucket, self.ctx.requests_for(bucket))
+        padded = self.load(plan, bucket, prev_sampled)
         logits = self.capture.replay(self.graphs[bucket], padded, bucket)
         self.replayed = True
-        return logits
+        return padded, logits
 
-    def run_uncaptured(self, batch: ForwardBatch) -> torch.Tensor:
+    def load(self, plan: BatchPlan, bucket: int, prev_sampled: torch.Tensor | None) -> ForwardBatch:
+        """`plan` padded to `bucket` in the static buffer its graphs read."""
+        assert self.static is not None, "only capturing runners"
+        requests = self.ctx.requests_for(bucket)
+        return self.static.load(plan, bucket, requests, self.env.req_to_token, prev_sampled)
+
+    def run_uncaptured(
+        self, plan: BatchPlan, prev_sampled: torch.Tensor | None
+    ) -> tuple[ForwardBatch, torch.Tensor]:
         if self.config.backend is not Backend.DISABLED:
             self.uncaptured_runs += 1
+        batch = upload_step(plan, self.env.req_to_token, prev_sampled)
         self.env.attn_backend.init_forward_metadata(batch)
-        return self.forward(batch, None)
+        return batch, self.forward(batch, None)
 
-    def run_general(self, batch: ForwardBatch) -> torch.Tensor:
+    def run_general(self, plan: BatchPlan) -> tuple[ForwardBatch, torch.Tensor]:
         self.replayed = False
+        batch = upload_step(plan, self.env.req_to_token)
         self.env.attn_backend.init_forward_metadata(batch)
-        return self.forward.general(batch)
+        return batch, self.forward.general(batch)
 
     def take_greedy(self) -> torch.Tensor | None:
         """The argmax of the last run's logits where its replay computed it; None otherwise."""
@@ -161,16 +179,19 @@ class GraphRunner:
         # Largest first: the smaller captures then reuse its pool memory.
         for bucket in sorted(set(buckets) & set(self.records), reverse=True):
             if self.records[bucket].state is BucketState.UNSEEN:
-                self.specialise(bucket, dummy_batch(self.phase.mode, bucket, self.env.req_to_token))
+                width = self.env.req_to_token.shape[1]
+                self.specialise(bucket, dummy_plan(self.phase.mode, bucket, width))
 
-    def specialise(self, bucket: int, batch: ForwardBatch) -> None:
-        """Warm up and capture `bucket` with `batch` (a live batch of that bucket, or a dummy),
+    def specialise(
+        self, bucket: int, plan: BatchPlan, prev_sampled: torch.Tensor | None = None
+    ) -> None:
+        """Warm up and capture `bucket` with `plan` (a live step of that bucket, or a dummy),
         padded into the static buffers, the same way for every capture kind."""
-        capture, static = self.capture, self.static
-        assert capture is not None and static is not None, "only capturing runners"
-        padded = static.load(batch, bucket, self.ctx.requests_for(bucket))
+        capture = self.capture
+        assert capture is not None, "only capturing runners"
+        padded = self.load(plan, bucket, prev_sampled)
         captured = self.ctx.pool.capture(
-            self.ctx.label(bucket, capture.name),
+            self.ctx.label(bucket, capture.name.value),
             lambda: capture.warmup(padded, bucket),
             lambda session: capture.record(padded, bucket, session),
             warmup_runs=capture.warmup_runs,

@@ -32,10 +32,11 @@ from srt.compilation.op_registry import inductor_trace
 from srt.forward_batch import ForwardBatch
 from srt.ipc.reports import ForwardInfo
 from srt.layers.attention.base import AttentionBackend
-from srt.layers.attention.layer import forward_context
+from srt.layers.attention.layer import eager_forward_context, forward_context
 from srt.model_executor.graphs.config import Backend, Phase, PhaseConfig
 from srt.model_executor.graphs.pool import GraphPool
-from srt.model_executor.graphs.static_batch import dummy_batch
+from srt.model_executor.graphs.static_batch import dummy_plan
+from srt.model_executor.step_inputs import upload_step
 
 if TYPE_CHECKING:  # the compiler is imported only when a phase compiles
     from srt.compilation.cache import CompileCache
@@ -223,9 +224,11 @@ def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
         keep_shape_guards=args.keep_shape_guards,
     )
     # Trace with the largest bucket's size: Inductor tunes the general graph for its hint.
-    batch = dummy_batch(ForwardMode.EXTEND, max(largest, MIN_TOKENS), env.req_to_token)
-    env.attn_backend.init_forward_metadata(batch)
-    with forward_context(batch, env.attn_backend):
+    width = env.req_to_token.shape[1]
+    batch = upload_step(
+        dummy_plan(ForwardMode.EXTEND, max(largest, MIN_TOKENS), width), env.req_to_token
+    )
+    with eager_forward_context(batch, env.attn_backend):
         model.trace(batch.input_ids, batch.positions)
     env.piecewise = model
     return model

@@ -39,6 +39,7 @@ from srt.forward_batch import ForwardBatch
 from srt.ipc.reports import CaptureInfo
 from srt.layers.sampler import SamplingArrays
 from srt.model_executor.graphs.capture import CaptureContext
+from srt.model_executor.graphs.config import Backend
 from srt.model_executor.graphs.pool import CaptureSession, unowned
 from srt.model_executor.graphs.static_batch import real_requests
 
@@ -98,7 +99,7 @@ class PieceGraphs:
 
 
 class PiecewiseCapture:
-    name: ClassVar[str] = "tc_piecewise"
+    name: ClassVar[Backend] = Backend.TC_PIECEWISE
     # One: the dispatcher runs a piece's first hit on the general graph and specialises it on
     # its second, which must be the recording forward.
     warmup_runs: ClassVar[int] = 1

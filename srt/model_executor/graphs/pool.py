@@ -32,6 +32,8 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
+from srt.ipc.reports import GraphPoolInfo
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -231,11 +233,7 @@ class GraphPool:
         )
         return Captured(result, ms, self.bytes - before)
 
-    def info(self) -> dict[str, int | bool]:
-        return {
-            "capture": self.capturer is not None,
-            "pool_bytes": self.bytes,
-            "budget_bytes": self.budget_bytes,
-            "captures": self.captures,
-            "skips": self.skips,
-        }
+    def info(self) -> GraphPoolInfo:
+        return GraphPoolInfo(
+            self.capturer is not None, self.bytes, self.budget_bytes, self.captures, self.skips
+        )

@@ -49,7 +49,7 @@ def openai_router(manager: TokenizerManager) -> APIRouter:
                     "id": manager.model_name,
                     "object": "model",
                     "owned_by": "srt",
-                    "created": int(manager.startup.get("ready_at", 0)),
+                    "created": int(manager.startup.ready_at if manager.startup else 0),
                     "max_model_len": manager.context_length,
                 }
             ],

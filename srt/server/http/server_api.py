@@ -10,6 +10,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from srt.ipc.reports import jsonable
 from srt.server.http.common import OrjsonResponse, error_response
 from srt.server.tokenizer_manager import TokenizerManager
 
@@ -44,12 +45,15 @@ def server_router(manager: TokenizerManager) -> APIRouter:
                 "vocab_size": cfg.vocab_size,
                 "context_length": manager.context_length,
             },
-            **manager.startup,
-            "runner": info.runner,
-            "graphs": info.runner["graphs"],
-            "compile": info.runner["compile"],
-            "scheduler": info.scheduler,
-            "tokenizer": {"timeline": manager.timeline.summary(timeline_since)},
+            **(jsonable(manager.startup) if manager.startup else {}),
+            "runner": {**jsonable(info.runner), "timeline": jsonable(info.runner_timeline)},
+            "graphs": jsonable(info.runner.graphs),
+            "compile": jsonable(info.runner.compile),
+            "scheduler": {
+                **jsonable(info.scheduler),
+                "timeline": jsonable(info.scheduler_timeline),
+            },
+            "tokenizer": {"timeline": jsonable(manager.timeline.summary(timeline_since))},
             # The timelines' clock (`time.perf_counter()`, one clock for all the processes).
             "clock_s": time.perf_counter(),
         }
@@ -58,7 +62,7 @@ def server_router(manager: TokenizerManager) -> APIRouter:
     async def metrics() -> Response:
         info = await manager.get_info()
         body = manager.metrics.render(
-            info.scheduler, info.runner, manager.startup.get("startup_s", 0.0)
+            info.scheduler, info.runner, manager.startup.startup_s if manager.startup else 0.0
         )
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
