@@ -111,7 +111,7 @@ class Engine:
             "runner": runner,
             "graphs": runner["graphs"],
             "compile": runner["compile"],
-            "scheduler": self.scheduler.info(),
+            "scheduler": jsonable(self.scheduler.info()),
         }
 
     def flush_cache(self) -> bool:

@@ -139,12 +139,12 @@ def run_all(
 
 
 def assert_no_leak(sched: Scheduler) -> None:
-    cached = sched.prefix_cache.size if sched.prefix_cache else 0
-    assert sched.allocator.available + cached == sched.allocator.capacity
-    assert sched.rows.available == sched.args.max_running_requests
+    kv = sched.kv
+    assert kv.allocator.available + kv.cached == kv.allocator.capacity
+    assert kv.rows.available == sched.args.max_running_requests
     assert not sched.reqs and not sched.running and sched.chunked is None
-    if sched.prefix_cache:
-        assert sched.prefix_cache.locked_size == 0
+    if kv.prefix_cache:
+        assert kv.prefix_cache.locked_size == 0
 
 
 def shared_prefix_workload(n: int, seed: int) -> dict[str, tuple[list[int], dict]]:

@@ -70,7 +70,7 @@ def test_chunked_prefill_equals_unchunked(tiny_llama: Path, alone: dict[str, lis
     with make_engine(tiny_llama, chunked_prefill_size=8, enable_prefix_caching=False) as eng:
         assert ids_of(eng.generate(prompt=PROMPTS, sampling_params=GREEDY)) == alone
         longest = max(len(eng.tokenizer.encode(p)) for p in PROMPTS)
-        assert eng.scheduler.stats["prefill_steps"] >= -(-longest // 8)
+        assert eng.scheduler.info().prefill_steps >= -(-longest // 8)
 
 
 def test_prefix_hit_gives_the_same_ids(tiny_llama: Path, engine: Engine) -> None:
@@ -98,13 +98,13 @@ def test_small_kv_pool_queues_requests(tiny_llama: Path, alone: dict[str, list[i
     prompts = PROMPTS * 3
     with make_engine(tiny_llama, max_total_tokens=96, chunked_prefill_size=16) as eng:
         demand = sum(len(eng.tokenizer.encode(p)) + 16 for p in prompts)
-        assert demand > 4 * eng.scheduler.allocator.capacity
+        assert demand > 4 * eng.scheduler.kv.allocator.capacity
         results = eng.generate(prompt=prompts, sampling_params=GREEDY)
         assert [r["output_ids"] for r in results] == [alone[p] for p in prompts]
         assert all(r["meta_info"]["finish_reason"] == "length" for r in results)
         info = eng.scheduler.info()
-        assert info["running_requests"] == info["queued_requests"] == 0
-        assert info["kv_slots_free"] + info["kv_slots_cached"] == 96
+        assert info.running_requests == info.queued_requests == 0
+        assert info.kv_slots_free + info.kv_slots_cached == 96
 
 
 # ---- stop conditions ---------------------------------------------------------------------------
@@ -308,5 +308,5 @@ def test_a_failed_batch_leaves_nothing_behind(engine: Engine) -> None:
         engine.generate(input_ids=[[1, 2, 3], [4, 99999]])  # the first was already queued
     assert not engine.scheduler.reqs and not engine.scheduler.has_work
     info = engine.scheduler.info()
-    assert info["kv_slots_free"] == info["kv_slots_total"]
+    assert info.kv_slots_free == info.kv_slots_total
     assert engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1})

@@ -90,9 +90,9 @@ def drive(engine: Engine, jobs: dict[str, Job], overlap: bool) -> dict[str, Stre
     else:
         assert all(p.input_from_prev is None for p in plans)
     # Every slot back: held by no request, and free once the prefix cache is flushed.
-    assert sched.rows.available == sched.args.max_running_requests
+    assert sched.kv.rows.available == sched.args.max_running_requests
     assert sched.flush_cache()
-    assert sched.allocator.available == sched.allocator.capacity
+    assert sched.kv.allocator.available == sched.kv.allocator.capacity
     return streams
 
 
@@ -207,10 +207,10 @@ def test_mixed_steps_give_the_ids_of_separate_steps(engine: Engine, overlap: boo
     jobs, eos_token = traffic(engine)
     with eos_and_mixing(engine, eos_token):
         separate = drive(engine, jobs, overlap=False)
-    before = engine.scheduler.stats["mixed_decode_tokens"]
+    before = engine.scheduler.info().mixed_decode_tokens
     with eos_and_mixing(engine, eos_token, mixed=True):
         mixed = drive(engine, jobs, overlap=overlap)
-    assert engine.scheduler.stats["mixed_decode_tokens"] > before, "no decode rode along"
+    assert engine.scheduler.info().mixed_decode_tokens > before, "no decode rode along"
     assert_same_streams(mixed, separate)
 
 

@@ -191,5 +191,5 @@ def test_accounting_after_a_scheduler_run_with_stops_and_aborts(overlap: bool) -
         else:
             assert got[rid] == want[rid], rid
     assert_no_leak(sched)
-    assert sched.prefix_cache is not None and sched.stats["cached_tokens"] > 0
-    check_accounting(sched.prefix_cache, sched.allocator)
+    assert sched.kv.prefix_cache is not None and sched.info().cached_tokens > 0
+    check_accounting(sched.kv.prefix_cache, sched.kv.allocator)

@@ -52,7 +52,7 @@ def test_request_waits_until_kv_frees() -> None:
         sched.add_request(GenerateReq(rid, [1, 2, 3, 4], SamplingParams(max_new_tokens=12)))
     sched.step(runner.forward)
     assert list(sched.running) == ["a"] and [r.rid for r in sched.waiting] == ["b"]
-    assert sched.info()["queued_requests"] == 1
+    assert sched.info().queued_requests == 1
     while "a" in sched.reqs:
         sched.step(runner.forward)
     sched.step(runner.forward)
@@ -71,7 +71,8 @@ def test_prefill_and_decode_are_separate_steps() -> None:
     )
     modes = [(p.forward_mode, p.batch_size, p.num_tokens) for p in runner.plans]
     assert modes == [(0, 2, 5), (1, 2, 2), (1, 2, 2)]
-    assert sched.stats["prefill_steps"] == 1 and sched.stats["decode_steps"] == 2
+    info = sched.info()
+    assert info.prefill_steps == 1 and info.decode_steps == 2
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -181,7 +182,7 @@ def test_abort_frees_everything(prefix_caching: bool, overlap: bool) -> None:
         assert sched.drain() == []  # its tokens are dropped
     assert_no_leak(sched)
     assert sched.flush_cache()
-    assert sched.allocator.available == sched.allocator.capacity
+    assert sched.kv.allocator.available == sched.kv.allocator.capacity
 
 
 def test_overlap_runs_one_extra_step_and_drops_its_token() -> None:

@@ -1,5 +1,6 @@
-"""A request as the scheduler tracks it, and a planned step's requests: what the scheduler's
-parts (admission, KV accounting, plan building, stop checks) and the prefix cache share."""
+"""A request as the scheduler tracks it, a planned step's requests, and the step counters: what
+the scheduler's parts (admission, KV accounting, plan building, stop checks) and the prefix
+cache share."""
 
 from __future__ import annotations
 
@@ -81,3 +82,15 @@ class ScheduledStep:
     plan: BatchPlan
     reqs: list[Req]
     samples: list[bool]
+
+
+@dataclass
+class StepCounters:
+    """What the scheduler has done since it started: its `SchedulerInfo` counters, by name."""
+
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0  # of the requests admitted
+    generated_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    mixed_decode_tokens: int = 0  # decodes that rode along in prefill steps

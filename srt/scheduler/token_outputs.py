@@ -1,0 +1,59 @@
+"""What a sampled id does to its request: it joins the outputs, with its logprobs, and may
+stop the request (a stop token, eos, or max_new_tokens); and the `TokenOutput` that tells the
+tokenizer side."""
+
+from __future__ import annotations
+
+from srt.ipc.messages import BatchResult, TokenOutput
+from srt.scheduler.req import Req
+
+
+def take_sample(req: Req, result: BatchResult, i: int, eos_token_ids: set[int]) -> list[int]:
+    """Apply the id sampled at row `i` of `result` to `req`, whose prompt is done: the ids it
+    adds (none for a request that asked for no new tokens: it is finished)."""
+    if req.max_new_tokens == 0:
+        req.finished_reason = "length"
+        return []
+    token = int(result.next_token_ids[i])
+    req.output_ids.append(token)
+    if result.logprobs is not None and req.params.logprobs:
+        _record_logprobs(req, result, i)
+    _check_finished(req, token, eos_token_ids)
+    return [token]
+
+
+def token_output(req: Req, new_ids: list[int]) -> TokenOutput:
+    return TokenOutput(
+        rid=req.rid,
+        new_token_ids=new_ids,
+        finished_reason=req.finished_reason,
+        matched_stop=req.matched_stop,
+        prompt_tokens=len(req.input_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+        logprobs=req.logprobs[-len(new_ids) :] if new_ids and req.logprobs else [],
+        top_logprobs=req.top_logprobs[-len(new_ids) :] if new_ids and req.top_logprobs else [],
+    )
+
+
+def _record_logprobs(req: Req, result: BatchResult, i: int) -> None:
+    assert result.logprobs is not None, "only for a result that carries logprobs"
+    req.logprobs.append(float(result.logprobs[i]))
+    n = req.params.top_logprobs_num
+    if n and result.top_logprob_ids is not None and result.top_logprob_vals is not None:
+        req.top_logprobs.append(
+            [
+                (int(t), float(v))
+                for t, v in zip(
+                    result.top_logprob_ids[i][:n], result.top_logprob_vals[i][:n], strict=True
+                )
+            ]
+        )
+
+
+def _check_finished(req: Req, token: int, eos_token_ids: set[int]) -> None:
+    p = req.params
+    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+        req.finished_reason, req.matched_stop = "stop", token
+    elif len(req.output_ids) >= req.max_new_tokens:
+        req.finished_reason = "length"
