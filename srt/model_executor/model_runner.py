@@ -15,12 +15,12 @@ import torch
 from srt.batch_layout import ForwardMode
 from srt.compilation.cache import (
     CompileCache,
-    collect_factors,
     default_cache_root,
     open_cache_root,
     point_tool_caches,
 )
-from srt.compilation.compile_info import compile_info
+from srt.compilation.cache_key import collect_factors
+from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
 from srt.distributed import (
     broadcast_object,
@@ -409,7 +409,11 @@ class ModelRunner:
             "capture_s": round(self.capture_s, 3),
             "jit_misses": self.jit_misses.info(),
             "graph_pool": self.graph_pool.info(),
-            "compile": compile_info(self.piecewise),
+            "compile": jsonable(
+                self.piecewise.info()
+                if self.piecewise is not None
+                else CompileInfo.none(split_ops())
+            ),
             "custom_ops": custom_ops_info(self.custom_ops),
             "graphs": {
                 phase.value: jsonable(self.phase_runners[phase.mode].info())

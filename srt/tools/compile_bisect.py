@@ -39,7 +39,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from srt.batch_layout import ForwardMode
 from srt.compilation.backend import MIN_TOKENS
-from srt.compilation.cache import CompileCache, collect_factors
+from srt.compilation.cache import CompileCache
+from srt.compilation.cache_key import collect_factors
 from srt.compilation.dispatch import BucketDispatcher, PieceFn
 from srt.compilation.piece_compiler import aot_eager
 from srt.compilation.piecewise_model import PiecewiseModel
