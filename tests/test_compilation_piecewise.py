@@ -28,7 +28,8 @@ from torch import fx, nn
 import srt.model_executor.graphs.pool as graph_memory
 from srt import Engine
 from srt.batch_layout import ForwardMode
-from srt.compilation.cache import CacheFactors, CompileCache, collect_factors
+from srt.compilation.cache import CompileCache
+from srt.compilation.cache_key import CacheFactors, collect_factors
 from srt.compilation.dispatch import BucketDispatcher
 from srt.compilation.errors import GraphBreakError, ShapeSpecializationError
 from srt.compilation.piecewise_model import PiecewiseModel
@@ -113,6 +114,8 @@ def test_no_tc_phase_still_reports_the_split_ops(tiny_llama: Path) -> None:
         "split_ops": ["srt::attention"],
         "num_pieces": 0,
         "num_split_regions": 0,
+        "num_unique_pieces": 0,
+        "compilers": [],
         "graph_source": None,
         "dynamo_s": 0.0,
         "graph_load_s": 0.0,
@@ -120,6 +123,8 @@ def test_no_tc_phase_still_reports_the_split_ops(tiny_llama: Path) -> None:
         "total_s": 0.0,
         "cache_dir": None,
         "cache_hit": None,
+        "traces": 0,
+        "pieces": [],
     }
 
 

@@ -12,7 +12,8 @@ import torch
 import torch._dynamo.backends.debugging as debugging
 from torch import fx
 
-from srt.compilation.cache import CompileCache, collect_factors
+from srt.compilation.cache import CompileCache
+from srt.compilation.cache_key import collect_factors
 from srt.compilation.piecewise_model import PiecewiseModel
 from srt.model_config import ModelConfig
 from srt.model_executor.model_runner import ModelRunner

@@ -19,9 +19,11 @@ import pytest
 import torch
 from torch import fx
 
-import srt.compilation.cache as compile_cache
 from srt.compilation import cache as cache_module
-from srt.compilation.cache import BucketManifest, CacheFactors, CompileCache, collect_factors
+from srt.compilation import cache_key
+from srt.compilation.bucket_manifest import BucketManifest
+from srt.compilation.cache import CompileCache
+from srt.compilation.cache_key import CacheFactors, collect_factors
 from srt.compilation.split import piece_signature
 
 
@@ -44,13 +46,13 @@ def test_cache_key_follows_the_cpu_isa_and_features(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
     assert cpu_key() != before
     monkeypatch.undo()
-    real = cache_module._cpuinfo_field
+    real = cache_key._cpuinfo_field
 
     def fewer_flags(*names: str) -> str | None:  # same model, one feature less (-march=native)
         value = real(*names)
         return " ".join(value.split()[1:]) if value and "flags" in names else value
 
-    monkeypatch.setattr(cache_module, "_cpuinfo_field", fewer_flags)
+    monkeypatch.setattr(cache_key, "_cpuinfo_field", fewer_flags)
     assert cpu_key() != before
 
 
@@ -77,7 +79,7 @@ def test_cache_key_follows_the_gpu_and_its_driver(monkeypatch: pytest.MonkeyPatc
     driver = [13000]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
-    monkeypatch.setattr(compile_cache, "cuda_driver_version", lambda: driver[0])
+    monkeypatch.setattr(cache_key, "cuda_driver_version", lambda: driver[0])
 
     def key() -> str:
         return collect_factors({}, torch.device("cuda"), Path(__file__)).key()

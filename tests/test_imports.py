@@ -44,6 +44,9 @@ def test_import_srt_is_light() -> None:
         "srt.batch_layout",
         "srt.model_config",
         "srt.launch_server",
+        "srt.compilation",
+        "srt.compilation.compile_info",
+        "srt.compilation.bucket_manifest",
     ],
 )
 def test_torch_free_module(module: str) -> None:

@@ -7,10 +7,10 @@ included; a root that already exists with a looser mode is used, with a warning)
       triton/                   TRITON_CACHE_DIR: Triton's kernel cache, shared by every entry
       inductor/                 TORCHINDUCTOR_CACHE_DIR outside a session, shared by every entry
         precompiled_headers/    Inductor's C++ precompiled headers (else under $TMPDIR)
-      <key>/                    one entry per cache key
+      <key>/                    one entry per cache key (`cache_key`)
         factors.json            the four factors the key hashes (read it to see why a key changed)
         computation_graph.py    the split graph as readable Python, every piece named
-        manifest.json           buckets actually hit, per phase (prewarms a later start)
+        manifest.json           buckets actually hit, per phase (`bucket_manifest`)
         pieces/<name>.bin       a compiled piece or the saved trace: header (entry, name, size,
                                 sha256) + payload
         inductor/               Inductor's own cache while we compile or load (its C++ builds)
@@ -18,14 +18,10 @@ included; a root that already exists with a looser mode is used, with a warning)
         entry.lock              held while compiling or loading pieces (one process at a time)
         manifest.json.lock      held while a process merges a bucket into the manifest
 
-The key hashes four factors: environment (compiler-relevant environment variables), config
-(the model config and the runtime options that change the graph), code (srt's own source and
-the model's file) and compiler (torch, triton, Python, the device: the CPU's ISA and feature
-flags, Inductor's settings and thread count, the GPU's compute capability, driver and CUDA
-runtime). Nothing is loaded that this cache did not write for this entry: an artifact
-written for another entry or another piece, damaged, or failing to load is logged, removed
-and recompiled; a file in Inductor's directory that the index does not vouch for is removed
-and rebuilt.
+Nothing is loaded that this cache did not write for this entry: an artifact written for
+another entry or another piece, damaged, or failing to load is logged, removed and
+recompiled; a file in Inductor's directory that the index does not vouch for is removed and
+rebuilt.
 
 Triton's cache and Inductor's precompiled headers are shared across entries: both are
 content-addressed by their tools (a new config reuses what an old one built), and neither
@@ -36,34 +32,28 @@ launching (`TRITON_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`) is respected, and the 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import platform
 import stat
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from importlib import metadata
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+from srt.compilation.bucket_manifest import BucketManifest
+from srt.compilation.cache_key import CacheFactors
+from srt.compilation.private_files import locked, make_private_dir, write_private
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-SRT_ROOT = Path(__file__).resolve().parent.parent
-# Environment variables that change what Dynamo, Inductor or Triton generate. Cache dirs and
-# tool paths only say where things are (and Inductor sets TRITON_PTXAS_PATH and
-# TRITON_LIBDEVICE_PATH itself while compiling for CUDA, which would change the key mid-process);
-# the compiler factor already pins the versions, so neither is part of the key.
-ENV_PREFIXES = ("TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_")
-ENV_LOCATION_SUFFIXES = ("CACHE_DIR", "_PATH")
 # The tools' cache locations, as the process was launched: srt points them under the compile
 # cache root only where the user left them unset (it sets them itself later in the process,
 # and Inductor writes its default into TORCHINDUCTOR_CACHE_DIR on first use).
@@ -74,157 +64,6 @@ LAUNCH_TOOL_CACHE_DIRS = {name: os.environ.get(name) for name in TOOL_CACHE_DIRS
 def default_cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "srt" / "compile"
-
-
-def environment_factor() -> dict[str, str]:
-    return {
-        name: value
-        for name, value in sorted(os.environ.items())
-        if name.startswith(ENV_PREFIXES) and not name.endswith(ENV_LOCATION_SUFFIXES)
-    }
-
-
-def source_files(roots: Iterable[Path]) -> list[Path]:
-    """Every Python file under `roots` (a root may also be a single file), sorted, no repeats."""
-    files: set[Path] = set()
-    for root in roots:
-        root = Path(root).resolve()
-        files.update([root] if root.is_file() else root.rglob("*.py"))
-    return sorted(files)
-
-
-def code_factor(files: Sequence[Path]) -> str:
-    """A hash of the files' contents, wherever the checkout lives (a fresh clone still hits)."""
-    contents = sorted(hashlib.sha256(path.read_bytes()).hexdigest() for path in files)
-    return hashlib.sha256("".join(contents).encode()).hexdigest()
-
-
-def _package_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _cpuinfo_field(*names: str) -> str | None:
-    """The first `name : value` line of /proc/cpuinfo for any of `names` (None elsewhere)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() in names:
-            return value.strip()
-    return None
-
-
-def cpu_factor() -> dict[str, Any]:
-    """What the host CPU contributes to generated code. Inductor compiles its C++ with
-    `-march=native` and picks vector code by the ISA ATen reports, so a .so built here may
-    use instructions (AVX-512, AMX) another CPU lacks: the feature flags are part of the key,
-    hashed (x86 `flags`, Arm `Features`), with the ISA and model name to read."""
-    flags = _cpuinfo_field("flags", "Features")
-    return {
-        "machine": platform.machine(),
-        "model": _cpuinfo_field("model name", "CPU part"),
-        "isa": torch.backends.cpu.get_cpu_capability(),
-        "flags": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
-        if flags
-        else None,
-    }
-
-
-def inductor_factor(device: torch.device) -> dict[str, Any]:
-    """Inductor's settings that change its output: its whole (portable) config, hashed, and
-    on the CPU the thread count its C++ kernels are specialised for (`#pragma omp parallel
-    num_threads(N)` is generated code unless `cpp.dynamic_threads`)."""
-    from torch._inductor import config
-    from torch._inductor.utils import parallel_num_threads
-
-    settings = json.dumps(config.save_config_portable(), sort_keys=True, default=str)
-    factor: dict[str, Any] = {"config": hashlib.sha256(settings.encode()).hexdigest()[:16]}
-    if device.type == "cpu":
-        factor["threads"] = "dynamic" if config.cpp.dynamic_threads else parallel_num_threads()
-    return factor
-
-
-def cuda_driver_version() -> int:
-    """The CUDA driver's version number, asked of the driver itself (torch 2.11 has no binding
-    for it)."""
-    import ctypes
-
-    version = ctypes.c_int()
-    if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) != 0:
-        raise RuntimeError("cuDriverGetVersion failed")
-    return version.value
-
-
-def cuda_factor(device: torch.device) -> dict[str, Any]:
-    """The GPU and the CUDA stack under it: Triton compiles for this compute capability (and
-    sizes persistent kernels by the SM count), through this driver and runtime."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(index)
-    runtimes = sorted(
-        f"{d.metadata['Name']}=={d.version}"
-        for d in metadata.distributions()
-        if (d.metadata["Name"] or "").lower().startswith("nvidia-cuda-runtime")
-    )
-    return {
-        "name": props.name,
-        "capability": f"{props.major}.{props.minor}",
-        "multiprocessors": props.multi_processor_count,
-        "driver": cuda_driver_version(),
-        "runtime": torch.version.cuda,
-        "runtime_packages": runtimes,
-    }
-
-
-def compiler_factor(device: torch.device, inductor: bool = True) -> dict[str, Any]:
-    """The toolchain. Inductor's settings only where it compiles (`inductor`): reading them
-    imports Inductor and Dynamo, seconds of startup for a setup that only captures."""
-    factor: dict[str, Any] = {
-        "torch": torch.__version__,
-        "torch_git": torch.version.git_version,
-        "triton": _package_version("triton"),
-        "python": platform.python_version(),
-        "device": device.type,
-        "cpu": cpu_factor(),  # CUDA graphs can hold CPU kernels too; the host is the host
-        "inductor": inductor_factor(device) if inductor else None,
-    }
-    if device.type == "cuda":
-        factor["cuda"] = cuda_factor(device)
-    return factor
-
-
-@dataclass
-class CacheFactors:
-    environment: dict[str, str]
-    config: dict[str, Any]
-    code: str
-    compiler: dict[str, Any]
-
-    def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def collect_factors(
-    config: dict[str, Any],
-    device: torch.device,
-    model_file: Path,
-    source_roots: Sequence[Path] = (SRT_ROOT,),
-    inductor: bool = True,
-) -> CacheFactors:
-    """The factors of this process: `config` is the model config plus the graph-relevant
-    runtime options; the code factor covers `source_roots` and `model_file`; `inductor`:
-    whether anything cached is Inductor's output."""
-    return CacheFactors(
-        environment=environment_factor(),
-        config=config,
-        code=code_factor(source_files([*source_roots, model_file])),
-        compiler=compiler_factor(device, inductor),
-    )
 
 
 def point_tool_caches(root: Path) -> dict[str, str]:
@@ -259,44 +98,6 @@ def point_precompiled_headers(directory: Path) -> None:
         return
     codecache._HEADER_DIR = str(make_private_dir(directory))
     codecache._HEADER_LOCK_DIR = str(make_private_dir(directory / "locks"))
-
-
-def make_private_dir(path: Path) -> Path:
-    """Create `path` (parents as usual) with mode 0700, or make an existing one 0700."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.mkdir(mode=0o700, exist_ok=True)
-    path.chmod(0o700)  # mkdir's mode is masked by the umask, and an old entry may be looser
-    return path
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write `path` atomically (a reader sees the old file or the new one, never part of
-    one), mode 0600."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-@contextmanager
-def locked(path: Path, waiting: str | None = None) -> Iterator[None]:
-    """Hold an exclusive lock on `path` (created 0600) across processes; log `waiting` if
-    another process holds it. The kernel drops the lock when its holder exits, crash or not."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if waiting:
-                logger.info(waiting)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 # An artifact file is one unit: a magic line, the header's length (8 bytes, big-endian), the
@@ -440,7 +241,7 @@ class CompileCache:
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
         waiting = f"compile cache: waiting for another process compiling into {self.dir}"
-        with locked(self.dir / "entry.lock", waiting):
+        with locked(self.dir / "entry.lock", on_wait=lambda: logger.info(waiting)):
             point_precompiled_headers(self.headers_dir)
             self._check_inductor_files()
             try:
@@ -498,33 +299,3 @@ class CompileCache:
             data = path.read_bytes()
             index[rel] = [len(data), hashlib.sha256(data).hexdigest()]
         write_private(self._inductor_index_path(), json.dumps(index, indent=0).encode())
-
-
-class BucketManifest:
-    """The buckets actually hit, per phase, across runs and across the processes that share
-    the entry: each new bucket is merged into the file under a lock (so two servers never
-    drop each other's), and the file is replaced atomically."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.buckets: dict[str, list[int]] = self._read()
-
-    def _read(self) -> dict[str, list[int]]:
-        if not self.path.exists():
-            return {}
-        try:
-            data = json.loads(self.path.read_text())
-            return {k: sorted(int(b) for b in v) for k, v in data["buckets"].items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            logger.warning("compile cache: ignoring unreadable manifest %s (%s)", self.path, e)
-            return {}
-
-    def record(self, phase: str, bucket: int) -> None:
-        if bucket in self.buckets.get(phase, ()):
-            return
-        with locked(self.path.with_name(self.path.name + ".lock")):
-            merged = self._read()  # with what other processes recorded meanwhile
-            for p, buckets in [*self.buckets.items(), (phase, [bucket])]:
-                merged[p] = sorted(set(merged.get(p, [])) | set(buckets))
-            write_private(self.path, json.dumps({"buckets": merged}, indent=2).encode())
-            self.buckets = merged

@@ -1,32 +1,55 @@
-"""The `compile` section of the server info, without importing the compile machinery.
+"""The `compile` section of the server info, as a typed record, without importing the compile
+machinery (nor torch).
 
 `piecewise_model` imports Dynamo's and sympy's machinery (a quarter of a second and more): a
-runner whose phases compile nothing reports zeros from here without paying for it.
+runner whose phases compile nothing reports `CompileInfo.none(split_ops())` without paying for
+it. The split ops come from the caller, since their registry imports torch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from srt.compilation.op_registry import split_ops
-
-if TYPE_CHECKING:
-    from srt.compilation.piecewise_model import PiecewiseModel
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 
-def compile_info(model: PiecewiseModel | None) -> dict[str, Any]:
-    """The `compile` section of the server info (zeros when no phase compiles)."""
-    if model is not None:
-        return model.info()
-    return {
-        "split_ops": split_ops(),
-        "num_pieces": 0,
-        "num_split_regions": 0,
-        "graph_source": None,
-        "dynamo_s": 0.0,
-        "graph_load_s": 0.0,
-        "compile_s": 0.0,
-        "total_s": 0.0,
-        "cache_dir": None,
-        "cache_hit": None,
-    }
+@dataclass(frozen=True)
+class CompileInfo:
+    """How the general graph was built: split, traced or loaded, compiled, and cached."""
+
+    split_ops: tuple[str, ...]
+    num_pieces: int
+    num_split_regions: int
+    num_unique_pieces: int
+    compilers: tuple[str, ...]
+    graph_source: str | None  # "traced", or "loaded" from the cache; None: nothing compiled
+    dynamo_s: float  # the Dynamo trace (0 when loaded)
+    graph_load_s: float  # loading the saved trace
+    compile_s: float  # the split, and compiling or loading the pieces
+    total_s: float
+    cache_dir: str | None
+    cache_hit: bool | None  # True: every Inductor piece loaded; None: nothing to cache
+    traces: int  # 1 when traced, 0 when loaded
+    # Per piece: `piece`, `submodule`, `signature`, and under each compiler's name its
+    # `source` (compiled, loaded, shared, eager) and seconds `s` (`shares`: the piece shared).
+    pieces: tuple[Mapping[str, Any], ...]
+
+    @classmethod
+    def none(cls, split_ops: Iterable[str]) -> CompileInfo:
+        """The section of a runner that compiles nothing: the split ops, zeros and empties."""
+        return cls(
+            split_ops=tuple(split_ops),
+            num_pieces=0,
+            num_split_regions=0,
+            num_unique_pieces=0,
+            compilers=(),
+            graph_source=None,
+            dynamo_s=0.0,
+            graph_load_s=0.0,
+            compile_s=0.0,
+            total_s=0.0,
+            cache_dir=None,
+            cache_hit=None,
+            traces=0,
+            pieces=(),
+        )

@@ -40,6 +40,7 @@ from torch import nn
 
 from srt.compilation.backend import MIN_TOKENS, PiecewiseBackend, recording_token_decisions
 from srt.compilation.cache import CompileCache
+from srt.compilation.compile_info import CompileInfo
 from srt.compilation.dispatch import BucketDispatcher, PieceFn, Router
 from srt.compilation.errors import CompilationError, GraphBreakError, ShapeSpecializationError
 from srt.compilation.op_registry import inductor_trace, split_ops
@@ -215,21 +216,21 @@ class PiecewiseModel:
         with torch.inference_mode(), self.router.route(dispatcher, bucket):
             return self.forward(self.model, input_ids, positions)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> CompileInfo:
         split = self.backend.split
-        return {
-            "split_ops": split_ops(),
-            "num_pieces": len(split.pieces) if split else 0,
-            "num_split_regions": len(split.regions) if split else 0,
-            "num_unique_pieces": len(set(self.backend.signatures)),
-            "compilers": self.compilers,
-            "graph_source": self.graph_source,
-            "dynamo_s": round(self.dynamo_s, 3),
-            "graph_load_s": round(self.graph_load_s, 3),
-            "compile_s": round(self.backend.compile_s, 3),
-            "total_s": round(self.total_s, 3),
-            "cache_dir": str(self.cache.dir),
-            "cache_hit": self.backend.cache_hit,
-            "traces": self.backend.traces,
-            "pieces": self.backend.pieces_info,
-        }
+        return CompileInfo(
+            split_ops=tuple(split_ops()),
+            num_pieces=len(split.pieces) if split else 0,
+            num_split_regions=len(split.regions) if split else 0,
+            num_unique_pieces=len(set(self.backend.signatures)),
+            compilers=tuple(self.compilers),
+            graph_source=self.graph_source,
+            dynamo_s=round(self.dynamo_s, 3),
+            graph_load_s=round(self.graph_load_s, 3),
+            compile_s=round(self.backend.compile_s, 3),
+            total_s=round(self.total_s, 3),
+            cache_dir=str(self.cache.dir),
+            cache_hit=self.backend.cache_hit,
+            traces=self.backend.traces,
+            pieces=tuple(self.backend.pieces_info),
+        )

@@ -10,6 +10,8 @@ from typing import Any
 
 import orjson
 
+from srt.compilation.compile_info import CompileInfo
+
 
 @dataclass(frozen=True)
 class BucketInfo:
@@ -136,7 +138,7 @@ class RunnerInfo:
     capture_s: float  # captures before ready (upfront, manifest)
     jit_misses: JitMissesInfo
     graph_pool: GraphPoolInfo
-    compile: Any  # the compilation layer's `compile` section
+    compile: CompileInfo  # the piecewise compile (zeros when no phase compiles)
     custom_ops: dict[str, OpImplInfo]
     graphs: dict[str, PhaseGraphsInfo]  # per phase
 

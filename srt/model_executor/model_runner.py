@@ -20,7 +20,7 @@ import torch
 
 from srt.batch_layout import ForwardMode
 from srt.compilation.cache import default_cache_root, open_cache_root, point_tool_caches
-from srt.compilation.compile_info import compile_info
+from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
 from srt.distributed import (
     broadcast_object,
@@ -32,7 +32,7 @@ from srt.distributed import (
 )
 from srt.forward_batch import ForwardBatch
 from srt.ipc.messages import BatchPlan, BatchResult
-from srt.ipc.reports import RankInfo, RunnerInfo, jsonable
+from srt.ipc.reports import RankInfo, RunnerInfo
 from srt.layers.attention.base import attention_backend_class
 from srt.layers.custom_op import custom_ops_info
 from srt.model_config import ModelConfig
@@ -290,7 +290,9 @@ class ModelRunner:
             capture_s=round(self.capture_s, 3),
             jit_misses=self.jit_misses.info(),
             graph_pool=self.graph_pool.info(),
-            compile=jsonable(compile_info(self.piecewise)),
+            compile=self.piecewise.info()
+            if self.piecewise is not None
+            else CompileInfo.none(split_ops()),
             custom_ops=custom_ops_info(self.custom_ops),
             graphs={p.value: self.phase_runners[p.mode].info() for p in self.graph_configs},
         )

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from srt.compilation.cache import CompileCache, collect_factors
+from srt.compilation.cache import CompileCache
+from srt.compilation.cache_key import collect_factors
 from srt.distributed import min_over_ranks
 from srt.layers.custom_op import apply_custom_ops, custom_ops_info, describe_custom_ops
 from srt.model_config import ModelConfig

@@ -322,15 +322,15 @@ class Launcher:
 
 def runner_parts(info: RunnerInfo) -> dict[str, float]:
     """The model runner's own setup, part by part (after its spawn and imports)."""
-    compiled = info.compile or {}
+    compiled = info.compile
     return {
         "device_init_s": info.device_init_s,  # the CUDA context and cuBLAS's handles
         "load_s": info.load_s,
         "custom_ops_s": info.custom_ops_s,  # the layer kernels' selection and import
         "kv_alloc_s": info.kv_alloc_s,
-        "dynamo_s": compiled.get("dynamo_s", 0.0),
-        "graph_load_s": compiled.get("graph_load_s", 0.0),  # the saved trace, on a warm start
-        "inductor_s": compiled.get("compile_s", 0.0),
+        "dynamo_s": compiled.dynamo_s,
+        "graph_load_s": compiled.graph_load_s,  # the saved trace, on a warm start
+        "inductor_s": compiled.compile_s,
         "warmup_s": info.warmup_s,
         "capture_s": info.capture_s,
     }

@@ -39,9 +39,8 @@ _LATENCY_BUCKETS = (
 def graph_figures(runner: RunnerInfo) -> dict[str, float]:
     """Compile seconds, capture seconds and captured buckets of the runner, all phases."""
     phases = runner.graphs.values()
-    compiled = runner.compile or {}
     return {
-        "compile_s": float(compiled.get("total_s", 0.0)),
+        "compile_s": runner.compile.total_s,
         "capture_s": float(sum(p.capture_s for p in phases)),
         "captured_buckets": sum(len(p.captured) for p in phases),
     }

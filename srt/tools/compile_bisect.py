@@ -39,18 +39,19 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from srt.batch_layout import ForwardMode
 from srt.compilation.backend import MIN_TOKENS
-from srt.compilation.cache import CompileCache, collect_factors
+from srt.compilation.cache import CompileCache
+from srt.compilation.cache_key import collect_factors
 from srt.compilation.dispatch import BucketDispatcher, PieceFn
 from srt.compilation.piece_compiler import aot_eager
 from srt.compilation.piecewise_model import PiecewiseModel
 from srt.compilation.split import SplitGraph
 from srt.forward_batch import ForwardBatch
 from srt.ipc.messages import BatchPlan
-from srt.layers.attention.base import AttentionBackend
 from srt.layers.attention.layer import eager_forward_context
 from srt.model_config import ModelConfig
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs, ServerArgsError
+from srt.tools.cli import keyword_options
 from srt.tools.make_tiny_model import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -321,11 +322,108 @@ def _eager_forward(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
         return runner.model(batch.input_ids, batch.positions).clone()
 
 
-def _split_forward(
-    piecewise: PiecewiseModel, batch: ForwardBatch, backend: AttentionBackend, pieces: list[PieceFn]
-) -> torch.Tensor:
-    with eager_forward_context(batch, backend):
-        return piecewise(batch.input_ids, batch.positions, BucketDispatcher(pieces), None).clone()
+def make_batch(
+    runner: ModelRunner, phase: str, batch_size: int, prompt_len: int, seed: int
+) -> ForwardBatch:
+    """The batch to compare on: a prefill of random prompts, or a decode step after it."""
+    rng = np.random.default_rng(seed)
+    vocab = runner.config.vocab_size
+    prompts = rng.integers(0, vocab, size=(batch_size, prompt_len))
+    first_slot = 1  # after the dummy slot
+    prefill = runner.make_forward_batch(make_plan(ForwardMode.EXTEND, prompts, 0, first_slot))
+    if phase == "prefill":
+        return prefill
+    if phase != "decode":
+        raise ValueError(f"phase must be prefill or decode, not {phase!r}")
+    # The prompts' KV first (eagerly; decode reads it), then one token each after them.
+    _eager_forward(runner, prefill)
+    step = rng.integers(0, vocab, size=(batch_size, 1))
+    return runner.make_forward_batch(make_plan(ForwardMode.DECODE, step, prompt_len, first_slot))
+
+
+def trace_pieces(
+    runner: ModelRunner, compilers: Sequence[str], cache: CompileCache, batch: ForwardBatch
+) -> PiecewiseModel:
+    """`runner`'s model traced on `batch`, split, each piece compiled by `eager` (the
+    reference) and by each of `compilers`."""
+    piecewise = PiecewiseModel(
+        runner.model,
+        compilers=["eager", *compilers],
+        cache=cache,
+        max_tokens=max(batch.num_tokens, MIN_TOKENS),
+    )
+    with eager_forward_context(batch, runner.attn_backend):
+        piecewise.trace(batch.input_ids, batch.positions)
+    return piecewise
+
+
+@dataclass
+class Reference:
+    """What eager computed on the batch, for each compiler's pieces to be compared with."""
+
+    forward: torch.Tensor  # the model's own forward, no Dynamo
+    traced: Difference  # the split graph on its eager pieces, against `forward`
+    pieces: list[PieceRecord]  # each eager piece's inputs and output
+    weights: set[int]  # storage pointers of the weights (passed, never copied)
+    unwritten: list[frozenset[int]]  # per piece, the outputs that are unwritten buffers
+
+
+@dataclass
+class Bisection:
+    """One comparison: the runner, its model's pieces traced on `batch`, the tolerance."""
+
+    runner: ModelRunner
+    piecewise: PiecewiseModel
+    batch: ForwardBatch
+    atol: float
+    rtol: float
+
+    @property
+    def split(self) -> SplitGraph:
+        split = self.piecewise.backend.split
+        assert split is not None, "the pieces are traced before the bisection"
+        return split
+
+    def _split_forward(self, pieces: list[PieceFn]) -> torch.Tensor:
+        batch = self.batch
+        with eager_forward_context(batch, self.runner.attn_backend):
+            dispatcher = BucketDispatcher(pieces)
+            return self.piecewise(batch.input_ids, batch.positions, dispatcher, None).clone()
+
+    def reference(self) -> Reference:
+        """Run the eager forward, then the split graph on its eager pieces, recording them."""
+        split = self.split
+        unwritten = [unwritten_outputs(_piece_module(split, i)) for i in range(len(split.pieces))]
+        expected = _eager_forward(self.runner, self.batch)
+        weights = {t.untyped_storage().data_ptr() for t in self.runner.model.state_dict().values()}
+        recording, records = record_pieces(self.piecewise.general("eager"), weights)
+        with torch.inference_mode():
+            traced = compare(self._split_forward(recording), expected, self.atol, self.rtol)
+        return Reference(expected, traced, records, weights, unwritten)
+
+    def compare_compiler(self, compiler: str, reference: Reference) -> CompilerReport:
+        """The whole forward on `compiler`'s pieces, then each piece on its reference inputs
+        (so that an error does not spread), against the reference."""
+        general = self.piecewise.general(compiler)
+        with torch.inference_mode():
+            forward = compare(self._split_forward(general), reference.forward, self.atol, self.rtol)
+            report = CompilerReport(compiler, forward)
+            for i, (fn, rec) in enumerate(zip(general, reference.pieces, strict=True)):
+                out = fn(*_clone(rec.args, reference.weights))
+                diff = compare(out, rec.output, self.atol, self.rtol, reference.unwritten[i])
+                report.pieces.append(diff)
+                if diff.differs and report.first_piece is None:
+                    report.first_piece = i
+        return report
+
+    def search_op(self, report: CompilerReport, reference: Reference) -> None:
+        """Set `report.first_op`: the first op of its first differing piece that differs."""
+        if report.first_piece is None:
+            return
+        args = reference.pieces[report.first_piece].args
+        gm = _piece_module(self.split, report.first_piece)
+        with torch.inference_mode():
+            report.first_op = first_differing_op(report.compiler, gm, args, self.atol, self.rtol)
 
 
 def bisect(
@@ -346,71 +444,24 @@ def bisect(
     `piece_hook` sees the compiled model before anything runs (tests use it to break a piece)."""
     tol = DEFAULT_TOLERANCE.get(runner.config.dtype, 1e-3)
     atol, rtol = atol if atol is not None else tol, rtol if rtol is not None else tol
-    rng = np.random.default_rng(seed)
-    vocab = runner.config.vocab_size
-    prompts = rng.integers(0, vocab, size=(batch_size, prompt_len))
-    first_slot = 1  # after the dummy slot
-    prefill = runner.make_forward_batch(make_plan(ForwardMode.EXTEND, prompts, 0, first_slot))
-    if phase == "decode":
-        # The prompts' KV first (eagerly; decode reads it), then one token each after them.
-        _eager_forward(runner, prefill)
-        step = rng.integers(0, vocab, size=(batch_size, 1))
-        plan = make_plan(ForwardMode.DECODE, step, prompt_len, first_slot)
-        batch = runner.make_forward_batch(plan)
-    elif phase == "prefill":
-        batch = prefill
-    else:
-        raise ValueError(f"phase must be prefill or decode, not {phase!r}")
-
-    piecewise = PiecewiseModel(
-        runner.model,
-        compilers=["eager", *compilers],
-        cache=cache,
-        max_tokens=max(batch.num_tokens, MIN_TOKENS),
-    )
-    with eager_forward_context(batch, runner.attn_backend):
-        piecewise.trace(batch.input_ids, batch.positions)
+    batch = make_batch(runner, phase, batch_size, prompt_len, seed)
+    piecewise = trace_pieces(runner, compilers, cache, batch)
     if piece_hook is not None:
         piece_hook(piecewise)
-    split = piecewise.backend.split
-    assert split is not None, "traced above"
-
-    unwritten = [unwritten_outputs(_piece_module(split, i)) for i in range(len(split.pieces))]
-    expected = _eager_forward(runner, batch)
-    weights = {t.untyped_storage().data_ptr() for t in runner.model.state_dict().values()}
-    recording, records = record_pieces(piecewise.general("eager"), weights)
-    with torch.inference_mode():
-        traced = compare(
-            _split_forward(piecewise, batch, runner.attn_backend, recording), expected, atol, rtol
-        )
-        reports = []
-        for compiler in compilers:
-            general = piecewise.general(compiler)
-            forward = compare(
-                _split_forward(piecewise, batch, runner.attn_backend, general), expected, atol, rtol
-            )
-            report = CompilerReport(compiler, forward)
-            for i, (fn, rec) in enumerate(zip(general, records, strict=True)):
-                out = fn(*_clone(rec.args, weights))
-                diff = compare(out, rec.output, atol, rtol, unwritten[i])
-                report.pieces.append(diff)
-                if diff.differs and report.first_piece is None:
-                    report.first_piece = i
-            reports.append(report)
-    for report in reports:
-        if search_ops and report.first_piece is not None:
-            rec = records[report.first_piece]
-            gm = _piece_module(split, report.first_piece)
-            with torch.inference_mode():
-                report.first_op = first_differing_op(report.compiler, gm, rec.args, atol, rtol)
+    bisection = Bisection(runner, piecewise, batch, atol, rtol)
+    reference = bisection.reference()
+    reports = [bisection.compare_compiler(compiler, reference) for compiler in compilers]
+    if search_ops:
+        for report in reports:
+            bisection.search_op(report, reference)
     return BisectReport(
         model=str(runner.config.path),
         phase=phase,
         num_tokens=batch.num_tokens,
         atol=atol,
         rtol=rtol,
-        num_pieces=len(split.pieces),
-        traced=traced,
+        num_pieces=len(bisection.split.pieces),
+        traced=reference.traced,
         compilers=reports,
     )
 
@@ -452,7 +503,7 @@ def _worst(diffs: Sequence[Difference]) -> float:
     return max((d.max_abs for d in diffs), default=0.0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m srt.tools.compile_bisect",
         description="Find the first compiled piece, and op, whose output differs from eager.",
@@ -481,11 +532,11 @@ def main(argv: list[str] | None = None) -> int:
         "root to check the artifacts it holds",
     )
     parser.add_argument("--result-file", default=None, help="write the report as JSON")
-    ns = parser.parse_args(argv)
-    if ns.batch_size < 1 or ns.prompt_len < 1:
-        parser.error("--batch-size and --prompt-len must be at least 1")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return parser
 
+
+def _make_runner(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelRunner:
+    """A model runner with its graphs disabled and room for the batch the options ask for."""
     args = ServerArgs(
         model_path=ns.model_path,
         device=ns.device,
@@ -501,26 +552,30 @@ def main(argv: list[str] | None = None) -> int:
     except ServerArgsError as e:
         parser.error(str(e))
     config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
-    runner = ModelRunner(args, config)
+    return ModelRunner(args, config)
+
+
+def _cache(root: Path, runner: ModelRunner) -> CompileCache:
+    config = runner.config
+    factors = collect_factors(
+        {"model": config.hf_config, "dtype": str(config.dtype), "tool": "compile_bisect"},
+        runner.device,
+        Path(inspect.getfile(type(runner.model))),
+    )
+    return CompileCache(root, factors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    if ns.batch_size < 1 or ns.prompt_len < 1:
+        parser.error("--batch-size and --prompt-len must be at least 1")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    runner = _make_runner(ns, parser)
     with tempfile.TemporaryDirectory(prefix="srt-bisect-") as tmp:
-        root = Path(ns.compile_cache_dir or tmp)
-        factors = collect_factors(
-            {"model": config.hf_config, "dtype": str(config.dtype), "tool": "compile_bisect"},
-            runner.device,
-            Path(inspect.getfile(type(runner.model))),
-        )
-        report = bisect(
-            runner,
-            ns.compilers,
-            CompileCache(root, factors),
-            phase=ns.phase,
-            batch_size=ns.batch_size,
-            prompt_len=ns.prompt_len,
-            seed=ns.seed,
-            atol=ns.atol,
-            rtol=ns.rtol,
-            search_ops=not ns.no_op_search,
-        )
+        cache = _cache(Path(ns.compile_cache_dir or tmp), runner)
+        options = keyword_options(ns, bisect)
+        report = bisect(runner, ns.compilers, cache, search_ops=not ns.no_op_search, **options)
     if ns.result_file:
         Path(ns.result_file).write_text(json.dumps(asdict(report), indent=2) + "\n")
     print(format_report(report))

@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from srt.model_config import DTYPE_NAMES
+from srt.tools.cli import keyword_options
 
 # torch and transformers are imported only where a model is made, so that finding the default
 # model (as the server's launcher does before it starts anything) stays light.
 if TYPE_CHECKING:
     import torch
-    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -168,6 +169,23 @@ def _train_tokenizer(arch: str, vocab_size: int, model_max_length: int) -> PreTr
     )
 
 
+def _rope(arch: str, rope_scaling: str | None) -> tuple[float, dict[str, Any] | None]:
+    """The rope theta and scaling: the default, or Llama 3's (`rope_scaling="llama3"`)."""
+    if rope_scaling is None:
+        return 10000.0, None
+    if rope_scaling != "llama3":
+        raise ValueError(f"unsupported rope_scaling {rope_scaling!r} (only 'llama3')")
+    if arch != "llama":
+        raise ValueError("rope_scaling='llama3' is only valid for arch='llama'")
+    return 500000.0, {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
+
+
 def _make_config(
     arch: str,
     *,
@@ -188,22 +206,7 @@ def _make_config(
 
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
-    rope_theta = 10000.0
-    rope: dict | None = None
-    if rope_scaling == "llama3":
-        if arch != "llama":
-            raise ValueError("rope_scaling='llama3' is only valid for arch='llama'")
-        rope_theta = 500000.0
-        rope = {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 256,
-        }
-    elif rope_scaling is not None:
-        raise ValueError(f"unsupported rope_scaling {rope_scaling!r} (only 'llama3')")
-
+    rope_theta, rope = _rope(arch, rope_scaling)
     common: dict[str, Any] = dict(
         num_hidden_layers=num_layers,
         hidden_size=hidden_size,
@@ -277,6 +280,15 @@ def _patch_for_compat(path: Path, arch: str) -> None:
     tok_file.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
 
 
+def _check_choices(arch: str, dtype: str, num_shards: int) -> None:
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHITECTURES)}")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_NAMES)}")
+    if num_shards < 1:
+        raise ValueError("num_shards must be >= 1")
+
+
 def make_tiny_model(
     path: str | Path,
     arch: str = "llama",
@@ -302,15 +314,9 @@ def make_tiny_model(
     smaller than ``vocab_size``. The output is a pure function of the arguments (the same seed
     gives the same bytes). Returns ``path``.
     """
-    import torch
     import transformers
 
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHITECTURES)}")
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_NAMES)}")
-    if num_shards < 1:
-        raise ValueError("num_shards must be >= 1")
+    _check_choices(arch, dtype, num_shards)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
@@ -333,14 +339,31 @@ def make_tiny_model(
         rope_scaling=rope_scaling,
         **ids,
     )
+    model = _random_model(arch, config, dtype, seed)
+    model.generation_config = transformers.GenerationConfig(**ids)
+    _save_weights(model, path, num_shards)
+    tokenizer.save_pretrained(path)
+    _patch_for_compat(path, arch)
+    return path
+
+
+def _random_model(arch: str, config: PretrainedConfig, dtype: str, seed: int) -> PreTrainedModel:
+    """The model of `config` with weights drawn from `seed`, in `dtype`."""
+    import torch
+    import transformers
 
     # Initialise in float32 whatever the target dtype, so one seed gives the same model in all;
     # fork_rng leaves the caller's global RNG state as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, ARCHITECTURES[arch])(config)
-    model = model.to(getattr(torch, dtype))
-    model.generation_config = transformers.GenerationConfig(**ids)
+    return model.to(getattr(torch, dtype))
+
+
+def _save_weights(model: PreTrainedModel, path: Path, num_shards: int) -> None:
+    """Write the model: config.json, generation_config.json and the weights, in `num_shards`
+    safetensors files (fewer if there are fewer tensors)."""
+    import transformers
 
     shard_size = _max_shard_size(model, num_shards) if num_shards > 1 else "1000GB"
     bars = transformers.utils.logging.is_progress_bar_enabled()
@@ -351,9 +374,6 @@ def make_tiny_model(
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
-    tokenizer.save_pretrained(path)
-    _patch_for_compat(path, arch)
-    return path
 
 
 def default_model_dir() -> Path:
@@ -405,19 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="float32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path = make_tiny_model(
-        args.path,
-        args.arch,
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        vocab_size=args.vocab_size,
-        num_shards=args.num_shards,
-        tie_word_embeddings=args.tie_word_embeddings,
-        rope_scaling=args.rope_scaling,
-        dtype=args.dtype,
-        seed=args.seed,
-    )
-    print(path)
+    print(make_tiny_model(args.path, args.arch, **keyword_options(args, make_tiny_model)))
 
 
 if __name__ == "__main__":
