@@ -25,7 +25,8 @@ import torch
 from srt.batch_layout import ForwardMode
 from srt.forward_batch import ForwardBatch, pad_tokens
 from srt.ipc.messages import BatchPlan
-from srt.layers.attention.base import AttentionInputs, create_attention_backend
+from srt.layers.attention.base import AttentionInputs
+from srt.layers.attention.registry import create_attention_backend
 from srt.layers.attention.torch_native import TorchNativeBackend, attend
 from srt.model_executor.graphs.static_batch import real_requests
 from srt.model_executor.step_inputs import upload_step

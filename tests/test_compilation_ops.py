@@ -16,8 +16,8 @@ import srt.layers.attention.layer  # noqa: F401 (defines srt::attention)
 from srt.batch_layout import ForwardMode
 from srt.compilation.op_registry import custom_ops, opcheck, register_custom_op, split_ops
 from srt.distributed import destroy_tp, init_tp
-from srt.layers.attention.base import create_attention_backend
 from srt.layers.attention.layer import forward_context
+from srt.layers.attention.registry import create_attention_backend
 from srt.model_executor.graphs.static_batch import dummy_plan
 from srt.model_executor.step_inputs import upload_step
 from srt.op_selection import OPS

@@ -13,8 +13,9 @@ from srt.batch_layout import ForwardMode
 from srt.compilation.op_registry import opcheck, split_ops
 from srt.forward_batch import ForwardBatch, pad_tokens
 from srt.ipc.messages import BatchPlan
-from srt.layers.attention.base import AttentionBackend, create_attention_backend
+from srt.layers.attention.base import AttentionBackend
 from srt.layers.attention.layer import attention_op, eager_forward_context
+from srt.layers.attention.registry import create_attention_backend
 from srt.model_executor.step_inputs import upload_step
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16

@@ -33,7 +33,7 @@ from srt.distributed import (
 from srt.forward_batch import ForwardBatch
 from srt.ipc.messages import BatchPlan, BatchResult
 from srt.ipc.reports import RankInfo, RunnerInfo
-from srt.layers.attention.base import attention_backend_class
+from srt.layers.attention.registry import attention_backend_class
 from srt.layers.custom_op import custom_ops_info
 from srt.model_config import ModelConfig
 from srt.model_executor.graphs.config import resolve_graph_config

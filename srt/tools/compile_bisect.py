@@ -291,22 +291,15 @@ def make_plan(
     pos = np.tile(np.arange(prefix_len, width, dtype=np.int32), batch)
     rows = np.repeat(np.arange(1, batch + 1, dtype=np.int32), length)
     slots = (first_slot + (rows - 1) * width + pos).astype(np.int32)
-    return BatchPlan(
-        forward_mode=int(mode),
+    return BatchPlan.greedy(
+        mode,
         input_ids=prompts.reshape(-1).astype(np.int32),
         positions=pos,
         out_cache_loc=slots,
         req_pool_indices=np.arange(1, batch + 1, dtype=np.int32),
         prefix_lens=np.full(batch, prefix_len, np.int32),
         extend_lens=np.full(batch, length, np.int32),
-        table_rows=rows,
-        table_cols=pos,
-        table_slots=slots,
-        temperatures=np.zeros(batch, np.float32),
-        top_ps=np.ones(batch, np.float32),
-        top_ks=np.ones(batch, np.int64),
-        min_ps=np.zeros(batch, np.float32),
-        seeds=np.zeros(batch, np.int64),
+        table=(rows, pos, slots),
     )
 
 

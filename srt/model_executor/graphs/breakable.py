@@ -24,8 +24,7 @@ from srt.compilation.op_registry import split_ops
 from srt.forward_batch import ForwardBatch
 from srt.ipc.reports import CaptureInfo
 from srt.layers.attention.layer import forward_context
-from srt.layers.sampler import SamplingArrays
-from srt.model_executor.graphs.capture import CaptureContext, StaticLogits
+from srt.model_executor.graphs.capture import CaptureContext, SamplesOutsideTheGraph, StaticLogits
 from srt.model_executor.graphs.config import Backend
 from srt.model_executor.graphs.pool import CaptureSession, Graph, unowned
 from srt.model_executor.graphs.static_batch import real_requests
@@ -86,7 +85,7 @@ class SplitAtOps(TorchFunctionMode):
         return None
 
 
-class BreakableCapture:
+class BreakableCapture(SamplesOutsideTheGraph):
     name: ClassVar[Backend] = Backend.BREAKABLE
     warmup_runs: ClassVar[int] = 2
 
@@ -124,12 +123,6 @@ class BreakableCapture:
         with forward_context(self._eager_batch(padded), self.ctx.attn_backend):
             graph.replay()
         return self.out.view(padded.batch_size)
-
-    def take_greedy(self) -> torch.Tensor | None:
-        return None  # the sampler takes the argmax of the static logits
-
-    def take_sampled(self, arrays: SamplingArrays) -> torch.Tensor | None:
-        return None  # sampled by the caller, from the logits
 
     def info(self) -> CaptureInfo:
         return CaptureInfo(static_bytes=self.out.nbytes)

@@ -91,6 +91,17 @@ class Capture(Protocol):
     def info(self) -> CaptureInfo: ...
 
 
+class SamplesOutsideTheGraph:
+    """For a capture kind whose graphs end at the logits: the caller takes their argmax and
+    samples them (`breakable`, `tc_piecewise`)."""
+
+    def take_greedy(self) -> torch.Tensor | None:
+        return None
+
+    def take_sampled(self, arrays: SamplingArrays) -> torch.Tensor | None:
+        return None
+
+
 class StaticLogits:
     """The one static output of a phase's captured graphs, [rows, vocab], shared by all its
     buckets (so no graph pins pool memory for its output), and its argmax's."""

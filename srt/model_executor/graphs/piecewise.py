@@ -37,8 +37,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from srt.compilation.dispatch import PieceFn
 from srt.forward_batch import ForwardBatch
 from srt.ipc.reports import CaptureInfo
-from srt.layers.sampler import SamplingArrays
-from srt.model_executor.graphs.capture import CaptureContext
+from srt.model_executor.graphs.capture import CaptureContext, SamplesOutsideTheGraph
 from srt.model_executor.graphs.config import Backend
 from srt.model_executor.graphs.pool import CaptureSession, unowned
 from srt.model_executor.graphs.static_batch import real_requests
@@ -98,7 +97,7 @@ class PieceGraphs:
         return replay
 
 
-class PiecewiseCapture:
+class PiecewiseCapture(SamplesOutsideTheGraph):
     name: ClassVar[Backend] = Backend.TC_PIECEWISE
     # One: the dispatcher runs a piece's first hit on the general graph and specialises it on
     # its second, which must be the recording forward.
@@ -123,12 +122,6 @@ class PiecewiseCapture:
 
     def replay(self, graph: None, padded: ForwardBatch, bucket: int) -> torch.Tensor:
         return self._forward(padded, bucket)
-
-    def take_greedy(self) -> torch.Tensor | None:
-        return None  # the pieces' graphs end before the logits' argmax
-
-    def take_sampled(self, arrays: SamplingArrays) -> torch.Tensor | None:
-        return None  # sampled by the caller, from the logits
 
     def info(self) -> CaptureInfo:
         return CaptureInfo(pieces_captured=sum(self.pieces.captured.values()))
