@@ -67,8 +67,8 @@ def op_cases(dtype: torch.dtype, device: str) -> list[tuple[Callable, Callable, 
         ),
         (
             rotary_kernel,
-            lambda p, q, k, c, s, d: rotary.forward(p, q, k),
-            (positions, q, k, rotary.cos_cache, rotary.sin_cache, 24),
+            lambda p, q, k, c, s: rotary.forward(p, q, k),
+            (positions, q, k, rotary.cos_cache, rotary.sin_cache),
         ),
         (silu_and_mul_kernel, silu_and_mul, (randn(3, 2 * 1500),)),
     ]

@@ -38,8 +38,9 @@ def check_shape(source: CheckpointTensor, expected: tuple[int, ...]) -> None:
 
 class Linear(nn.Module):
     """`y = x W^T (+ b)` whose output is the checkpoint's `output_sizes` stacked (one entry:
-    a plain linear). Of each it holds the rows `out_shards` names (default: all), of the
-    input the columns `in_shard` names (default: all)."""
+    a plain linear). Of each it holds the rows `out_shards` names (default: what
+    `default_out_shard` gives, all of them here), of the input the columns `in_shard` names
+    (default: all)."""
 
     def __init__(
         self,
@@ -53,7 +54,7 @@ class Linear(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_sizes = output_sizes
-        self.out_shards = out_shards or [Shard(0, size) for size in output_sizes]
+        self.out_shards = out_shards or [self.default_out_shard(size) for size in output_sizes]
         self.in_shard = in_shard or Shard(0, input_size)
         rows = sum(s.size for s in self.out_shards)
         self.weight = nn.Parameter(torch.empty(rows, self.in_shard.size))
@@ -62,6 +63,10 @@ class Linear(nn.Module):
             # The loader travels on the Parameter (vLLM's convention); model_loader reads it
             # back with getattr. Parameter declares no such attribute.
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    @staticmethod
+    def default_out_shard(size: int) -> Shard:
+        return Shard(0, size)
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointTensor, shard: int = 0) -> None:
         out = self.out_shards[shard]
@@ -81,16 +86,9 @@ class Linear(nn.Module):
 class ColumnParallelLinear(Linear):
     """Each rank holds an equal part of every output (or the parts `out_shards` names)."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_sizes: list[int],
-        bias: bool = False,
-        *,
-        out_shards: list[Shard] | None = None,
-    ) -> None:
-        shards = out_shards or [even_shard(size) for size in output_sizes]
-        super().__init__(input_size, output_sizes, bias, out_shards=shards)
+    @staticmethod
+    def default_out_shard(size: int) -> Shard:
+        return even_shard(size)
 
 
 class RowParallelLinear(Linear):

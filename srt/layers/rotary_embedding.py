@@ -39,15 +39,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def _rotary_fake(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotated(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """New contiguous tensors of q's and k's shapes, for the rotated q and k."""
     return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _rotary_fake(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # The op's fake: its outputs take q's and k's shapes, whatever the cos/sin tables.
+    return _rotated(q, k)
 
 
 @register_custom_op("rotary_embedding", mutates_args=(), fake_impl=_rotary_fake)
@@ -57,13 +58,13 @@ def rotary_kernel(
     k: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
-    head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq*D], k [T, Hkv*D] rotated by the Triton kernel: new contiguous tensors."""
+    """q [T, Hq*D], k [T, Hkv*D] rotated by the Triton kernel: new contiguous tensors. The
+    head size D is the caches' [max_position, D/2] times two."""
     from srt.layers.triton_ops.rotary import rotary_into
 
-    q_out, k_out = _rotary_fake(positions, q, k, cos_cache, sin_cache, head_dim)
-    rotary_into(q_out, k_out, positions, q, k, cos_cache, sin_cache, head_dim)
+    q_out, k_out = _rotated(q, k)
+    rotary_into(q_out, k_out, positions, q, k, cos_cache, sin_cache)
     return q_out, k_out
 
 
@@ -87,7 +88,7 @@ class RotaryEmbedding(CustomOp):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq*D], k: [T, Hkv*D] -> rotated, same shapes."""
         if self.uses_kernel("rotary_embedding"):
-            return rotary_kernel(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
+            return rotary_kernel(positions, q, k, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].to(q.dtype)
         sin = self.sin_cache[positions].to(q.dtype)
         t = q.shape[0]

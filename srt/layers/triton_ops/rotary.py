@@ -84,7 +84,6 @@ def rotary_into(
     k: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
-    head_dim: int,
 ) -> None:
     """q_out, k_out (contiguous [T, H*D]) = q, k ([T, H*D], unit stride on the last dim)
     rotated by cos/sin_cache[positions] ([max_position, D/2])."""
@@ -94,7 +93,8 @@ def rotary_into(
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     cos_cache, sin_cache = cos_cache.contiguous(), sin_cache.contiguous()
-    num_q_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    half = cos_cache.shape[1]
+    num_q_heads, num_kv_heads = q.shape[1] // (2 * half), k.shape[1] // (2 * half)
     _rotary_kernel[(tokens,)](
         positions,
         q,
@@ -108,9 +108,9 @@ def rotary_into(
         cos_cache.stride(0),
         num_q_heads,
         num_kv_heads,
-        head_dim // 2,
+        half,
         BLOCK_QH=triton.next_power_of_2(num_q_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim // 2),
+        BLOCK_D=triton.next_power_of_2(half),
         num_warps=4,
     )

@@ -9,23 +9,33 @@ size replays for any lengths. A request with `seq_len == 0` (a padded one) outpu
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from srt.layers.attention.triton_ops import dot_precision
-from srt.layers.attention.triton_ops.kv_block import attend_kv_block
+from srt.layers.attention.triton_ops import LOG2E, head_constexprs
+from srt.layers.attention.triton_ops.kv_block import attend_kv
 
 BLOCK_N = 64  # keys per inner step; every split is a multiple of it
 MAX_SPLITS = 16  # a power of two: stage 2 loads all chunks as one block
 TARGET_PROGRAMS = 256  # stage-1 programs to aim for (about two per SM of an H100/H200)
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     # Both stages must agree on where the chunks lie.
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _chunk_out_ptrs(part_out, req, heads, splits, offs_d):
+    # The [B, Hq, S, D] scratch both stages agree on, as (pointer, its first three strides).
+    PART_OUT, stride_req, stride_head, stride_split = part_out
+    return (
+        PART_OUT + req * stride_req + heads * stride_head + splits * stride_split + offs_d[None, :]
+    )
 
 
 # Triton specialises integer arguments on divisibility by 16; these vary with the split count
@@ -65,10 +75,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
+    req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + req)
     split_len = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * split_len
@@ -79,57 +86,22 @@ def _decode_split_kernel(
         mask_h = offs_h < GROUP
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
-        q = tl.load(
-            Q + req * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
-            mask=mask_h[:, None] & mask_d[None, :],
-            other=0.0,
-        )
+        mask = mask_h[:, None] & mask_d[None, :]
+        q_ptrs = Q + req * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=mask, other=0.0)
         table = req_to_token + tl.load(req_pool_indices + req).to(tl.int64) * stride_table
-
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        kv = ((K, stride_k_slot, stride_k_head), (V, stride_v_slot, stride_v_head), table, kv_head)
         # The one query sits at the last position: every key of the split is visible, and
         # every block starts below `end`, so each row sees a finite score in every block.
         query_pos = tl.full([BLOCK_H], 0, dtype=tl.int32) + (seq_len - 1)
-        for block in range(start, end, BLOCK_N):
-            m_i, l_i, acc = attend_kv_block(
-                q,
-                m_i,
-                l_i,
-                acc,
-                K,
-                V,
-                table,
-                block,
-                end,
-                query_pos,
-                kv_head,
-                offs_d,
-                mask_d,
-                stride_k_slot,
-                stride_k_head,
-                stride_v_slot,
-                stride_v_head,
-                scale_log2,
-                BLOCK_N,
-                DOT_PRECISION,
-            )
-
-        tl.store(
-            part_out
-            + req * stride_po_req
-            + heads[:, None] * stride_po_head
-            + split * stride_po_split
-            + offs_d[None, :],
-            acc / l_i[:, None],
-            mask=mask_h[:, None] & mask_d[None, :],
+        m_i, l_i, acc = attend_kv(
+            q, query_pos, kv, start, end, offs_d, mask_d, scale_log2, BLOCK_N, DOT_PRECISION
         )
-        tl.store(
-            part_lse + req * stride_pl_req + heads * stride_pl_head + split,
-            m_i + tl.log2(l_i),
-            mask=mask_h,
-        )
+        chunk_out = (part_out, stride_po_req, stride_po_head, stride_po_split)
+        out_ptrs = _chunk_out_ptrs(chunk_out, req, heads[:, None], split, offs_d)
+        tl.store(out_ptrs, acc / l_i[:, None], mask=mask)
+        lse_ptrs = part_lse + req * stride_pl_req + heads * stride_pl_head + split
+        tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=mask_h)
 
 
 @triton.jit(do_not_specialize=SPLIT_DEPENDENT)
@@ -166,15 +138,9 @@ def _decode_merge_kernel(
         part_lse + req * stride_pl_req + head * stride_pl_head + offs_s, mask=valid, other=-1e30
     )
     weights = tl.where(valid, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    partial = tl.load(
-        part_out
-        + req * stride_po_req
-        + head * stride_po_head
-        + offs_s[:, None] * stride_po_split
-        + offs_d[None, :],
-        mask=valid[:, None] & mask_d[None, :],
-        other=0.0,
-    )
+    chunk_out = (part_out, stride_po_req, stride_po_head, stride_po_split)
+    out_ptrs = _chunk_out_ptrs(chunk_out, req, head, offs_s[:, None], offs_d)
+    partial = tl.load(out_ptrs, mask=valid[:, None] & mask_d[None, :], other=0.0)
     total = tl.sum(weights, 0)
     o = tl.sum(weights[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
     tl.store(Out + req * stride_o_tok + head * stride_o_head + offs_d, o, mask=mask_d)
@@ -203,12 +169,9 @@ def decode_attention(
     """q, out: [B, Hq, D] (last dim contiguous); k_cache, v_cache: [slots, Hkv, D];
     req_pool_indices, seq_lens: [B] (seq_len 0 gives a zero output row);
     part_out: [B, Hq, S, D] float32 and part_lse: [B, Hq, S] float32 scratch, S = splits."""
-    batch_size, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
     num_splits = part_out.shape[2]
-    block_d = triton.next_power_of_2(head_dim)
-    _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
+    heads = head_constexprs(q, k_cache)
+    _decode_split_kernel[(q.shape[0], k_cache.shape[1], num_splits)](
         q,
         k_cache,
         v_cache,
@@ -217,44 +180,42 @@ def decode_attention(
         seq_lens,
         part_out,
         part_lse,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
+        *q.stride()[:2],
+        *k_cache.stride()[:2],
+        *v_cache.stride()[:2],
         req_to_token.stride(0),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
         scaling * LOG2E,
         num_splits,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        **heads,
+        BLOCK_H=max(16, triton.next_power_of_2(heads["GROUP"])),  # tl.dot needs >= 16 rows
         BLOCK_N=BLOCK_N,
-        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,
     )
-    _decode_merge_kernel[(batch_size, num_heads)](
+    _merge_chunks(part_out, part_lse, seq_lens, out, heads)
+
+
+def _merge_chunks(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    heads: dict[str, Any],
+) -> None:
+    """Stage 2: out [B, Hq, D] from stage 1's chunks (`heads`: stage 1's head constexprs)."""
+    _decode_merge_kernel[(out.shape[0], out.shape[1])](
         part_out,
         part_lse,
         seq_lens,
         out,
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
+        *out.stride()[:2],
+        part_out.shape[2],
+        HEAD_DIM=heads["HEAD_DIM"],
+        BLOCK_D=heads["BLOCK_D"],
         BLOCK_S=MAX_SPLITS,
         BLOCK_N=BLOCK_N,
         num_warps=4,

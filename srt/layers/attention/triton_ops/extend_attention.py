@@ -15,12 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from srt.layers.attention.triton_ops import dot_precision
-from srt.layers.attention.triton_ops.kv_block import attend_kv_block
+from srt.layers.attention.triton_ops import LOG2E, head_constexprs
+from srt.layers.attention.triton_ops.kv_block import attend_kv
 
 BLOCK_M = 64  # query rows per tile
 BLOCK_N = 64  # keys per inner step
-LOG2E = 1.4426950408889634
 # A tile start that no request reaches: marks the unused tiles of a padded tile list.
 UNUSED_TILE = 2**30
 
@@ -56,8 +55,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
+    tile, head = tl.program_id(0), tl.program_id(1)
     kv_head = head // GROUP
 
     req = tl.load(tile_req + tile)
@@ -72,49 +70,20 @@ def _extend_kernel(
         query_pos = prefix_len + rows
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
-        q = tl.load(
-            Q + tokens[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
-            mask=mask_m[:, None] & mask_d[None, :],
-            other=0.0,
-        )
+        mask = mask_m[:, None] & mask_d[None, :]
+        q_ptrs = Q + tokens[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=mask, other=0.0)
         table = req_to_token + tl.load(req_pool_indices + req).to(tl.int64) * stride_table
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        kv = ((K, stride_k_slot, stride_k_head), (V, stride_v_slot, stride_v_head), table, kv_head)
         # Causal: the tile's last row sees keys up to its own position. Key 0 is visible to
         # every row, so each row has a finite score in the first block.
         kv_end = tl.minimum(seq_len, prefix_len + first_row + BLOCK_M)
-        for block in range(0, kv_end, BLOCK_N):
-            m_i, l_i, acc = attend_kv_block(
-                q,
-                m_i,
-                l_i,
-                acc,
-                K,
-                V,
-                table,
-                block,
-                kv_end,
-                query_pos,
-                kv_head,
-                offs_d,
-                mask_d,
-                stride_k_slot,
-                stride_k_head,
-                stride_v_slot,
-                stride_v_head,
-                scale_log2,
-                BLOCK_N,
-                DOT_PRECISION,
-            )
-
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            Out + tokens[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
-            o,
-            mask=mask_m[:, None] & mask_d[None, :],
+        m_i, l_i, acc = attend_kv(
+            q, query_pos, kv, 0, kv_end, offs_d, mask_d, scale_log2, BLOCK_N, DOT_PRECISION
         )
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = Out + tokens[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :]
+        tl.store(o_ptrs, o, mask=mask)
 
 
 def tiles_per_request(extend_lens: np.ndarray) -> np.ndarray:
@@ -165,36 +134,25 @@ def extend_attention(
     """q, out: [T, Hq, D] (last dim contiguous); k_cache, v_cache: [slots, Hkv, D];
     per-request [R] tensors (seq_len = prefix_len + extend_len, or 0 for rows to zero);
     tiles: [2, N] from `extend_tiles`."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    _extend_kernel[(tiles.shape[1], num_heads)](
+    per_request = (req_pool_indices, prefix_lens, extend_lens, extend_starts, seq_lens)
+    _extend_kernel[(tiles.shape[1], q.shape[1])](
         q,
         k_cache,
         v_cache,
         out,
         req_to_token,
-        req_pool_indices,
-        prefix_lens,
-        extend_lens,
-        extend_starts,
-        seq_lens,
+        *per_request,
         tiles[0],
         tiles[1],
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        out.stride(0),
-        out.stride(1),
+        *q.stride()[:2],
+        *k_cache.stride()[:2],
+        *v_cache.stride()[:2],
+        *out.stride()[:2],
         req_to_token.stride(0),
         scaling * LOG2E,
-        GROUP=num_heads // k_cache.shape[1],
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        **head_constexprs(q, k_cache),
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
-        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,
     )
