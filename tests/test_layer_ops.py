@@ -205,7 +205,7 @@ def test_tc_piecewise_traces_the_selected_impl(
 ) -> None:
     """One trace for the eager pieces keeps the kernels in it as opaque ops (run by the
     interpreter here); a trace for Inductor holds the reference by default."""
-    monkeypatch.setattr("srt.model_executor.model_runner.kernels_missing", lambda device: None)
+    monkeypatch.setattr("srt.model_executor.runner_setup.kernels_missing", lambda device: None)
     with tc_engine(tiny_llama, tmp_path, compiler, custom_ops=entries) as eng:
         info = eng.get_server_info()
         graph = (Path(info["compile"]["cache_dir"]) / "computation_graph.py").read_text()
@@ -406,7 +406,7 @@ def test_runner_reports_and_logs_the_selection(
     tiny_llama: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with (
-        caplog.at_level(logging.INFO, logger="srt.model_executor.model_runner"),
+        caplog.at_level(logging.INFO, logger="srt.model_executor.runner_setup"),
         Engine(model_path=str(tiny_llama), device="cpu", custom_ops=["none", "+rms_norm"]) as eng,
     ):
         info = eng.get_server_info()["runner"]["custom_ops"]

@@ -111,6 +111,7 @@ def test_a_signal_shuts_down_cleanly(tiny_llama: Path, tmp_path: Path, sig: sign
 def test_every_endpoint_answers_503_until_ready(tiny_llama: Path) -> None:
     """The app in this process, before and after `mark_ready`: no timing involved."""
     from srt.ipc.channels import Endpoints
+    from srt.ipc.reports import ServerStartup
     from srt.model_config import ModelConfig
     from srt.server.http.app import create_app
     from srt.server.tokenizer_manager import TokenizerManager
@@ -134,7 +135,7 @@ def test_every_endpoint_answers_503_until_ready(tiny_llama: Path) -> None:
     try:
         assert asyncio.run(answers(ready=False)) == [503, 503, 503]
         manager.load_tokenizer()
-        manager.mark_ready(64, 64, {"ready_at": time.time()})
+        manager.mark_ready(64, 64, ServerStartup(0.0, time.time(), endpoints.dir, {}))
         assert asyncio.run(answers(ready=True)) == [200, 200]
     finally:
         manager.close()

@@ -296,7 +296,8 @@ class Launcher:
         startup_s = round(time.perf_counter() - self.launched, 3)
         tokenizer = ProcessStartup(os.getpid(), startup_s, with_other(startup_s, self.parts))
         self.manager.mark_ready(
-            info,
+            info.context_length,
+            info.kv_slots,
             ServerStartup(
                 startup_s, time.time(), self.endpoints.dir, {"tokenizer": tokenizer, **processes}
             ),

@@ -35,7 +35,7 @@ from srt.ipc.messages import (
     StepOutputs,
     TokenOutput,
 )
-from srt.ipc.reports import RunnerInfo, ServerStartup
+from srt.ipc.reports import ServerStartup
 from srt.model_config import ModelConfig
 from srt.request_limits import RequestLimits
 from srt.server.hf_tokenizer import load_tokenizer
@@ -91,10 +91,10 @@ class TokenizerManager:
         assert path is not None, "the launcher resolves model_path"
         self.tokenizer = load_tokenizer(path)
 
-    def mark_ready(self, runner: RunnerInfo, startup: ServerStartup) -> None:
+    def mark_ready(self, context_length: int, kv_capacity: int, startup: ServerStartup) -> None:
         """Serve from now on, within the context and KV cache the runner made."""
         assert self.tokenizer is not None, "load_tokenizer comes first"
-        self.context_length, self.kv_capacity = runner.context_length, runner.kv_slots
+        self.context_length, self.kv_capacity = context_length, kv_capacity
         self.startup = startup
         limits = RequestLimits(self.model_config.vocab_size, self.context_length, self.kv_capacity)
         self.frontend = RequestFrontend(self.tokenizer, limits)
