@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 from srt.errors import InvalidRequest
@@ -20,6 +21,12 @@ MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 _INT64 = 2**63
+
+
+# A rule of `SamplingParams.verify`: (field, whether it holds, the rule, the value to show, or
+# `_HIDDEN` to show none).
+Rule = tuple[str, bool, str, Any]
+_HIDDEN = object()
 
 
 @dataclass
@@ -61,87 +68,68 @@ class SamplingParams:
     def verify(self, vocab_size: int, names: Mapping[str, str] | None = None) -> None:
         """InvalidRequest for a value out of its type or range. `names` maps a field to what
         the caller calls it (OpenAI's `max_tokens` for `max_new_tokens`), for the message."""
-
-        def check(ok: bool, name: str, rule: str, value: Any = None, show: bool = True) -> None:
+        rules = chain(
+            self._number_rules(vocab_size), self._list_rules(vocab_size), self._output_rules()
+        )
+        for name, ok, rule, value in rules:
             if not ok:
                 called = (names or {}).get(name, name)
-                got = f", got {value!r}" if show else ""
+                got = "" if value is _HIDDEN else f", got {value!r}"
                 raise InvalidRequest(f"{called} {rule}{got}", param=called)
 
+    def _number_rules(self, vocab_size: int) -> Iterator[Rule]:
+        """(field, whether it holds, the rule, the value to show), checked in this order; each
+        is computed only once those before it held."""
         m = self.max_new_tokens
-        check(
-            m is None or (_is_int(m) and m >= 0),
+        yield (
             "max_new_tokens",
+            m is None or (_is_int(m) and m >= 0),
             "must be a non-negative integer",
             m,
         )
-        check(
-            _is_finite(self.temperature) and self.temperature >= 0,
-            "temperature",
-            "must be >= 0",
-            self.temperature,
+        t = self.temperature
+        yield "temperature", _is_finite(t) and t >= 0, "must be >= 0", t
+        yield (
+            "top_p",
+            _is_finite(self.top_p) and 0 < self.top_p <= 1,
+            "must be in (0, 1]",
+            self.top_p,
         )
-        check(
-            _is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p
+        k = self.top_k
+        in_vocab = f"must be -1 or in [1, {vocab_size}] (the vocabulary)"
+        yield "top_k", _is_int(k) and (k == -1 or 1 <= k <= vocab_size), in_vocab, k
+        yield (
+            "min_p",
+            _is_finite(self.min_p) and 0 <= self.min_p < 1,
+            "must be in [0, 1)",
+            self.min_p,
         )
-        check(
-            _is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= vocab_size),
-            "top_k",
-            f"must be -1 or in [1, {vocab_size}] (the vocabulary)",
-            self.top_k,
-        )
-        check(
-            _is_finite(self.min_p) and 0 <= self.min_p < 1, "min_p", "must be in [0, 1)", self.min_p
-        )
-        check(
-            self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),
-            "seed",
-            "must be a 64-bit integer",
-            self.seed,
-        )
+        seed = self.seed
+        in_range = seed is None or (_is_int(seed) and -_INT64 <= seed < _INT64)
+        yield "seed", in_range, "must be a 64-bit integer", seed
+
+    def _list_rules(self, vocab_size: int) -> Iterator[Rule]:
         stop = self.stop
-        check(
-            isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
-            "stop",
-            "must be a non-empty string or a list of them",
-            show=False,
-        )
-        check(
-            len(stop) <= MAX_STOP_STRINGS,
-            "stop",
-            f"takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
-            show=False,
-        )
-        check(
-            all(len(s) <= MAX_STOP_STRING_CHARS for s in stop),
-            "stop",
-            f"strings must be at most {MAX_STOP_STRING_CHARS} characters",
-            show=False,
-        )
-        check(
-            all(is_encodable(s) for s in stop),
-            "stop",
-            "must be valid Unicode (a lone surrogate cannot be encoded)",
-            show=False,
-        )
-        check(
-            isinstance(self.stop_token_ids, list)
-            and all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids),
-            "stop_token_ids",
-            f"must be a list of token ids in [0, {vocab_size})",
-            show=False,
-        )
+        strings = isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
+        yield "stop", strings, "must be a non-empty string or a list of them", _HIDDEN
+        many = f"takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}"
+        yield "stop", len(stop) <= MAX_STOP_STRINGS, many, _HIDDEN
+        long = f"strings must be at most {MAX_STOP_STRING_CHARS} characters"
+        yield "stop", all(len(s) <= MAX_STOP_STRING_CHARS for s in stop), long, _HIDDEN
+        unicode = "must be valid Unicode (a lone surrogate cannot be encoded)"
+        yield "stop", all(is_encodable(s) for s in stop), unicode, _HIDDEN
+        ids = self.stop_token_ids
+        valid = isinstance(ids, list) and all(_is_int(t) and 0 <= t < vocab_size for t in ids)
+        yield "stop_token_ids", valid, f"must be a list of token ids in [0, {vocab_size})", _HIDDEN
+
+    def _output_rules(self) -> Iterator[Rule]:
         for flag in ("ignore_eos", "skip_special_tokens", "logprobs"):
             value = getattr(self, flag)
-            check(isinstance(value, bool), flag, "must be a boolean", value)
+            yield flag, isinstance(value, bool), "must be a boolean", value
         n = self.top_logprobs_num
-        check(
-            _is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS,
-            "top_logprobs_num",
-            f"must be in [0, {MAX_TOP_LOGPROBS}]",
-            n,
-        )
-        check(self.logprobs or not n, "top_logprobs_num", "needs logprobs: true", show=False)
+        top = f"must be in [0, {MAX_TOP_LOGPROBS}]"
+        yield "top_logprobs_num", _is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS, top, n
+        yield "top_logprobs_num", self.logprobs or not n, "needs logprobs: true", _HIDDEN
 
 
 def is_encodable(text: str) -> bool:
