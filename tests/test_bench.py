@@ -196,11 +196,11 @@ def test_serving_against_a_running_server(
         assert run["captures_in_window"] == 0  # nothing to capture on the CPU
         assert run["jit_misses_in_window"] >= 0
         timeline = run["timeline"]  # where the server's step time went, per process
-        assert timeline["scheduler"]["steps"] > 0 and "period_ms" in timeline["runner"]
-        assert "received_to_routed_ms" in timeline["tokenizer"]
+        assert timeline["scheduler"]["steps"] > 0 and timeline["runner"]["period_ms"] > 0
+        assert "received_to_routed" in timeline["tokenizer"]["gaps_ms"]
         # Every request was prefilled in some extend step and decoded in decode steps.
-        assert timeline["scheduler"]["extend_steps"] >= 1
-        batch = timeline["scheduler"]["decode_requests_mean"]
+        assert timeline["scheduler"]["kinds"]["extend"]["steps"] >= 1
+        batch = timeline["scheduler"]["kinds"]["decode"]["requests_mean"]
         assert batch >= 1
         # CPU shares: seconds on a CPU per second of the load window (a process may use
         # threads), which lasts no longer than the server's view of it.
@@ -494,6 +494,18 @@ def test_the_load_window_opens_at_the_go_and_closes_at_the_last_end(server: Serv
         assert called < opened_at <= window.opened <= first_send  # every process was up
         assert last_end <= window.closed <= closed_at
         assert load.wall_s == window.closed - window.opened
+
+
+def test_table_rows_read_the_timeline_of_new_and_older_results() -> None:
+    kinds = {
+        "extend": {"steps": 4, "requests_mean": 2.0, "tokens_mean": 64.0, "ms_total": 30.0},
+        "decode": {"steps": 90, "requests_mean": 7.5, "tokens_mean": 7.5, "ms_total": 90.0},
+    }
+    flat = {f"{kind}_{k}": v for kind, figures in kinds.items() for k, v in figures.items()}
+    for scheduler in ({"steps": 94, "kinds": kinds}, {"steps": 94, **flat}):
+        row = serving.table_row({"timeline": {"scheduler": scheduler}})
+        assert (row["decode_bs"], row["extend_steps"], row["extend_share"]) == (7.5, 4, 25.0)
+        assert row["ceiling_tok_s"] is None and row["steady_output_throughput"] is None
 
 
 def test_runner_ceiling_arithmetic() -> None:

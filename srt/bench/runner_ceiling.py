@@ -2,7 +2,7 @@
 (`srt.bench.one_batch`, no scheduler, no HTTP) delivers on the run's work, measured on the same
 machine in the same call.
 
-A served run of mean decode batch B (the scheduler's `decode_requests_mean` over the run) and
+A served run of mean decode batch B (the scheduler's mean decode requests over the run) and
 `output_len` tokens a request does, per B requests, one prefill of B prompts and `output_len`
 decode steps at batch B. The runner takes `prefill_ms(B)` for the first and `decode_ms(B)`
 (the overlapped step, as the server runs it) for each of the others, so

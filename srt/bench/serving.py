@@ -45,8 +45,8 @@ both ends. Over that window:
   `client_cpu_busy_max` the busiest one's (near 1: the load measured the client);
 - `timeline`: each process's step timeline over the steps begun in the window (of a window of
   more steps than a timeline keeps, 1024, the last); `decode bs` is the scheduler's mean decode
-  batch (`decode_requests_mean`), `extend steps` and `extend time %` its prefill steps and their
-  share of the step time;
+  batch (`kinds.decode.requests_mean`), `extend steps` and `extend time %` its prefill steps
+  and their share of the step time;
 - `captures_in_window`, `jit_misses_in_window`: the CUDA graphs the runner captured and its JIT
   compiles after ready (`runner.graph_pool.captures`, `runner.jit_misses.count`): a figure paid
   for one of them is not the steady state's. `cached_tokens_in_window`: prompt tokens the prefix
@@ -731,6 +731,17 @@ def growth(before: dict[str, Any], after: dict[str, Any], *path: str) -> int | N
     return last - first if isinstance(first, int) and isinstance(last, int) else None
 
 
+def step_kind(timeline: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    """A step timeline's figures of one step kind (`extend`, `decode`): its `steps`,
+    `requests_mean`, `tokens_mean` and `ms_total`; empty where it had none. Older results
+    files hold them flat (`decode_steps`, ...)."""
+    timeline = timeline or {}
+    if "kinds" in timeline:
+        return dict(timeline["kinds"].get(kind) or {})
+    fields = ("steps", "requests_mean", "tokens_mean", "ms_total")
+    return {f: timeline[f"{kind}_{f}"] for f in fields if f"{kind}_{f}" in timeline}
+
+
 def cpu_s(info: dict[str, Any], proc: str) -> float:
     return float(info[proc]["timeline"]["cpu_s"])
 
@@ -958,7 +969,7 @@ def timed_run(
         # The client's own share: a saturated client under-reports the server.
         **load.figures(),
     }
-    batch = nested(figures, ("timeline", "scheduler", "decode_requests_mean"))
+    batch = step_kind(figures["timeline"]["scheduler"], "decode").get("requests_mean")
     ceiling = runner.ceiling(batch, ns.output_len)
     figures["runner_ceiling"] = ceiling
     figures["of_ceiling"] = fraction(figures["output_throughput"], ceiling["tok_s"])
@@ -1037,8 +1048,9 @@ TABLE = [
 def table_row(run: dict[str, Any]) -> dict[str, Any]:
     """A run's row of the printed table (latencies in ms); the figures an older results file
     lacks are left empty."""
-    sched = (run.get("timeline") or {}).get("scheduler") or {}
-    total = sched.get("extend_ms_total", 0.0) + sched.get("decode_ms_total", 0.0)
+    sched = (run.get("timeline") or {}).get("scheduler")
+    extend, decode = step_kind(sched, "extend"), step_kind(sched, "decode")
+    total = extend.get("ms_total", 0.0) + decode.get("ms_total", 0.0)
     steady = run.get("steady") or {}
     return {
         **run,
@@ -1047,11 +1059,9 @@ def table_row(run: dict[str, Any]) -> dict[str, Any]:
         "steady_output_throughput": steady.get("output_throughput"),
         "steady_of_ceiling": steady.get("of_ceiling"),
         "steady_tpot_p50": (steady.get("tpot_ms") or {}).get("p50"),
-        "decode_bs": sched.get("decode_requests_mean"),
-        "extend_steps": sched.get("extend_steps"),
-        "extend_share": round(100 * sched.get("extend_ms_total", 0.0) / total, 1)
-        if total
-        else None,
+        "decode_bs": decode.get("requests_mean"),
+        "extend_steps": extend.get("steps"),
+        "extend_share": round(100 * extend.get("ms_total", 0.0) / total, 1) if total else None,
         **{f"cpu_{proc}": share for proc, share in (run.get("cpu_busy") or {}).items()},
         **{
             f"{m}_{p}": (run.get(f"{m}_ms") or {}).get(p)
