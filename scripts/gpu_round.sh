@@ -16,9 +16,11 @@
 #                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF)
 #                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists)
 #   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list)
-#   serving-SHAPE        serving at concurrency 1, 32, 64, 128: decode full (lazy) with and
-#                        without overlap scheduling, nographs, prefill captured too
-#                        (prefill-full), and that with mixed steps (SERVING_VARIANTS overrides)
+#   serving-SHAPE        serving at concurrency 1, 32, 64, 128 (64 requests at 1, 1,024 at the
+#                        others), each run against the runner ceiling one_batch measures first
+#                        with the same flags: decode full (lazy) with and without overlap
+#                        scheduling, nographs, prefill captured too (prefill-full), and that
+#                        with mixed steps (SERVING_VARIANTS overrides)
 # SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first.
 # Exit status: non-zero if any step failed (the others still run).
 set -uo pipefail
@@ -126,8 +128,9 @@ serving() {  # decode full with overlap (the default), without it, and with no g
     # Prefill captured per token bucket too; and decodes riding along in prefill steps.
     [ $variant = prefill-full ] && flags+=(--cuda-graph-backend-prefill full)
     [ $variant = mixed ] && flags+=(--cuda-graph-backend-prefill full --enable-mixed-chunk)
-    # Concurrency 64 gets 1,000 requests: every one must finish with its token count.
-    step "serving-$shape-$variant" python3 -m srt.bench.serving --num-prompts 16 128 1000 256 \
+    # The bench's request counts (1,024 where more than 16 are in flight), its warm-up
+    # bursts, and one_batch with the same flags for the ceiling before the server starts.
+    step "serving-$shape-$variant" python3 -m srt.bench.serving \
       --max-concurrency 1 32 64 128 --input-len 128 --output-len 64 \
       --output-file "$out/serving-$shape-$variant.json" \
       --server-log "$work/logs/server-$shape-$variant.log" -- --model-path "$CKPT" "${flags[@]}"

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from server_helpers import ServerProcess
 
-from srt.bench import cold_start, hf_baseline, one_batch, serving
+from srt.bench import cold_start, hf_baseline, one_batch, runner_ceiling, serving
+from srt.bench.runner_ceiling import RunnerFigures
 from srt.bench.serving import RequestRecord, RequestSpec, metrics, run_load
 from srt.model_config import ModelConfig
 from srt.model_executor.model_loader import load_model
@@ -128,7 +130,22 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
         srv.stop()
 
 
-def test_serving_against_a_running_server(server: ServerProcess, tmp_path: Path, capsys) -> None:
+@pytest.fixture(scope="module")
+def runner_results(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """one_batch's rows for the server fixture's configuration, from the subprocess the bench
+    runs before a server it starts."""
+    workdir = tmp_path_factory.mktemp("runner")
+    flags = ["--model-path", str(tiny_llama), "--context-length", "64"]
+    figures = runner_ceiling.measure(flags, [1, 3], 12, 6, workdir, timeout_s=300)
+    assert figures.error is None, figures.error
+    assert [r["batch_size"] for r in figures.rows] == [1, 3]
+    assert all(r["prefill_ms"] > 0 and r["decode_ms_overlapped"] > 0 for r in figures.rows)
+    return workdir / "one_batch.jsonl"
+
+
+def test_serving_against_a_running_server(
+    server: ServerProcess, runner_results: Path, tmp_path: Path, capsys
+) -> None:
     out = tmp_path / "serving.json"
     serving.main(
         [
@@ -146,41 +163,67 @@ def test_serving_against_a_running_server(server: ServerProcess, tmp_path: Path,
             "0.5",
             "--output-len",
             "6",
+            "--runner-results",
+            str(runner_results),
             "--output-file",
             str(out),
         ]
     )
     result = json.loads(out.read_text())
     assert [r["max_concurrency"] for r in result["runs"]] == [1, 3]
+    # A burst per run, all in flight, before the first (the CPU server has no graph buckets).
+    assert result["warmup"]["bursts"] == [1, 3] and result["warmup"]["errors"] == 0
+    assert result["prompts"]["count"] == 1 + 3 + 5 + 3
+    assert result["prompts"]["longest_shared_prefix"] < serving.DISTINCT_HEAD
+    assert [r["batch_size"] for r in result["runner"]["rows"]] == [1, 3]
     for run, num in zip(result["runs"], [5, 3], strict=True):
         assert run["num_requests"] == run["completed"] == num and run["errors"] == 0
         assert run["total_output_tokens"] == num * 6
         assert 6 <= run["total_input_tokens"] <= 12 * num
         assert run["request_rate"] is None  # all at once
         assert run["output_throughput"] > 0 and run["duration_s"] > 0
-        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "itl_token_ms", "e2e_ms"):
             s = run[key]
             assert 0 < s["p50"] <= s["p99"], (key, s)
         # One event per decode step, or fewer: a stream that fell behind gets the tokens of
-        # several steps in one event.
+        # several steps in one event. Per token: one gap for each token after the first.
         assert 0 < run["itl_ms"]["n"] <= num * 5
+        assert run["itl_ms"]["n"] <= run["itl_token_ms"]["n"] <= num * 5
         assert run["ttft_ms"]["p50"] < run["e2e_ms"]["p50"]
         assert run["kv_slots_held_after"] == 0  # every finished request gave its slots back
+        # Distinct prompts: the prefix cache serves at most a few leading tokens of each.
+        assert 0 <= run["cached_tokens_in_window"] < serving.DISTINCT_HEAD * num
+        assert run["captures_in_window"] == 0  # nothing to capture on the CPU
+        assert run["jit_misses_in_window"] >= 0
         timeline = run["timeline"]  # where the server's step time went, per process
-        assert timeline["scheduler"]["steps"] > 0 and "period_ms" in timeline["runner"]
-        assert "received_to_routed_ms" in timeline["tokenizer"]
+        assert timeline["scheduler"]["steps"] > 0 and timeline["runner"]["period_ms"] > 0
+        assert "received_to_routed" in timeline["tokenizer"]["gaps_ms"]
         # Every request was prefilled in some extend step and decoded in decode steps.
-        assert timeline["scheduler"]["extend_steps"] >= 1
-        assert timeline["scheduler"]["decode_requests_mean"] >= 1
-        # CPU shares: seconds on a CPU per second of the run (a process may use threads).
+        assert timeline["scheduler"]["kinds"]["extend"]["steps"] >= 1
+        batch = timeline["scheduler"]["kinds"]["decode"]["requests_mean"]
+        assert batch >= 1
+        # CPU shares: seconds on a CPU per second of the load window (a process may use
+        # threads), which lasts no longer than the server's view of it.
         assert set(run["cpu_busy"]) == {"scheduler", "runner", "tokenizer"}
         assert all(0 <= share < 16 for share in run["cpu_busy"].values()), run["cpu_busy"]
         assert run["client_cpu_busy"] > 0
-    assert capsys.readouterr().out.splitlines()[-4].split()[0] == "conc"
+        assert 0 < run["load_window_s"] <= run["server_window_s"]
+        ceiling = run["runner_ceiling"]
+        assert ceiling["batch"] == batch and ceiling["measured_batches"] == [1, 3]
+        assert ceiling["tok_s"] > 0
+        assert run["of_ceiling"] == round(run["output_throughput"] / ceiling["tok_s"], 3)
+    steady = result["runs"][0]["steady"]  # one in flight: from the first send to the last end
+    assert steady["requests"] == 5 and steady["output_tokens"] == 5 * 6
+    assert steady["of_ceiling"] > 0 and steady["tpot_ms"]["n"] == 5
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-4].split()[0] == "conc"
+    for title in ("of ceiling", "steady tok/s", "captures in window", "JIT misses in window"):
+        assert title in lines[-4]
+    assert any(line.startswith("runner ceiling: from ") for line in lines[:-4])
 
 
 def test_serving_counts_refused_and_short_requests(server: ServerProcess) -> None:
-    vocab = serving.vocab_size_of(server.url)
+    vocab = serving.server_info(server.url)["model"]["vocab_size"]
     specs = [RequestSpec([1, 2, 3], 4), RequestSpec([1] * 100, 4)]  # the second is too long
     records = asyncio.run(run_load(server.url, specs, max_concurrency=2, progress=False))
     assert records[0].ok and records[0].output_tokens == 4
@@ -194,7 +237,9 @@ def server_model(server: ServerProcess) -> Path:
     return Path(server.info()["model"]["path"])
 
 
-def test_serving_from_two_client_processes(server: ServerProcess, tmp_path: Path) -> None:
+def test_serving_from_two_client_processes_with_a_shared_prefix(
+    server: ServerProcess, tmp_path: Path, capsys
+) -> None:
     out = tmp_path / "serving.json"
     serving.main(
         [
@@ -208,19 +253,36 @@ def test_serving_from_two_client_processes(server: ServerProcess, tmp_path: Path
             "8",
             "--output-len",
             "5",
+            "--shared-prefix-len",
+            "4",
             "--client-processes",
             "2",
-            "--warmup-requests",
-            "0",
+            "--no-warmup",
             "--output-file",
             str(out),
         ]
     )
-    (run,) = json.loads(out.read_text())["runs"]
+    result = json.loads(out.read_text())
+    (run,) = result["runs"]
     assert run["num_requests"] == run["completed"] == 6 and run["errors"] == 0
     assert run["total_output_tokens"] == 6 * 5 and run["total_input_tokens"] == 6 * 8
     assert run["client_processes"] == 2
     assert 0 < run["client_cpu_busy_max"] <= run["client_cpu_busy"]
+    assert 0 < run["load_window_s"] <= run["server_window_s"]
+    # The prefix is cached once a request that computed it ends: the 3 sent after that.
+    assert run["shared_prefix_len"] == 4 and run["cached_tokens_in_window"] >= 3 * 4
+    prompts = result["prompts"]
+    assert prompts["shared_prefix_len"] == 4 and prompts["count"] == 6
+    assert 4 <= prompts["longest_shared_prefix"] < 4 + serving.DISTINCT_HEAD
+    # No runner figures against a running server without --runner-results: no ceiling.
+    assert result["runner"]["rows"] == [] and "--runner-results" in result["runner"]["error"]
+    assert run["runner_ceiling"]["tok_s"] is None and run["of_ceiling"] is None
+    assert result["warmup"]["bursts"] == []
+    lines = capsys.readouterr().out.splitlines()
+    assert "every one starts with the same 4 tokens" in lines[-6]
+    assert lines[-4].startswith("runner ceiling: none (")
+    header, row = lines[-3], lines[-1]
+    assert header.split()[:3] == ["conc", "rate", "prefix"] and row.split()[2] == "4"
 
 
 def test_client_processes_return_records_in_order(server: ServerProcess) -> None:
@@ -314,6 +376,245 @@ def test_serving_metrics_from_known_times() -> None:
     assert m["tpot_ms"]["p50"] == pytest.approx(250)
     assert m["e2e_ms"]["p50"] == pytest.approx(600)
     assert m["output_throughput"] == pytest.approx(3 / 0.6, rel=1e-3)
+
+
+def test_tpot_against_itl_per_event_and_per_token() -> None:
+    # Events of 1, 3 and 1 tokens: the middle one brings three steps' tokens after 600 ms.
+    r = RequestRecord(
+        input_len=4,
+        output_len=5,
+        sent=10.0,
+        token_times=[10.1, 10.7, 10.7, 10.7, 10.8],
+        chunk_times=[10.1, 10.7, 10.8],
+        done=10.8,
+    )
+    assert r.tpot_s == pytest.approx(0.7 / 4)  # per token after the first
+    assert r.itl_s == pytest.approx([0.6, 0.1])  # per event gap
+    assert r.itl_token_s == pytest.approx([0.2, 0.2, 0.2, 0.1])  # SGLang's: per token
+    m = metrics([r])
+    assert m["tpot_ms"]["p50"] == pytest.approx(175)
+    assert m["itl_ms"]["n"] == 2 and m["itl_ms"]["mean"] == pytest.approx(350)
+    assert m["itl_token_ms"]["n"] == 4 and m["itl_token_ms"]["p50"] == pytest.approx(200)
+    # Split evenly over its tokens, the gaps average to the TPOT when the stream ends with
+    # its last event.
+    assert m["itl_token_ms"]["mean"] == pytest.approx(m["tpot_ms"]["mean"])
+
+
+def timed_record(sent: float, done: float, token_times: list[float]) -> RequestRecord:
+    return RequestRecord(
+        len(token_times), len(token_times), sent, token_times, list(token_times), done
+    )
+
+
+# Cap 2: in flight 1 from 0, 2 from 1 (r2 sent), 2 through the ends at 5 and 10 (each
+# followed by a send at once), 1 from 12 (r3 ends after the last send), 0 at 14.
+STEADY_RECORDS = [
+    timed_record(100.0, 110.0, [100.5, 110.0]),
+    timed_record(101.0, 105.0, [101.5, 105.0]),
+    timed_record(105.0, 112.0, [105.5, 112.0]),
+    timed_record(110.0, 114.0, [110.5, 114.0]),
+]
+
+
+def test_steady_window_leaves_out_the_ramp_up_and_the_tail() -> None:
+    assert serving.steady_window(STEADY_RECORDS, 2) == (101.0, 112.0)
+    assert serving.steady_window(STEADY_RECORDS, None) == (101.0, 112.0)  # the peak: 2
+    assert serving.steady_window(STEADY_RECORDS, 3) is None  # never 3 in flight
+    assert serving.steady_window(STEADY_RECORDS[:1], 1) == (100.0, 110.0)  # all of it
+    steady = serving.steady_figures(STEADY_RECORDS, 2)
+    assert steady is not None
+    assert (steady["start_s"], steady["duration_s"], steady["in_flight_mean"]) == (1.0, 11.0, 2.0)
+    assert steady["requests"] == 2  # r2 and r3 were sent and ended inside
+    assert steady["output_tokens"] == 6  # 110.0; 101.5, 105.0; 105.5, 112.0; 110.5
+    assert steady["output_throughput"] == round(6 / 11, 1)
+    assert steady["request_throughput"] == round(3 / 11, 3)  # r2, r1, r3 ended inside
+    assert steady["e2e_ms"]["n"] == 2 and steady["e2e_ms"]["mean"] == pytest.approx(5500)
+    whole = metrics(STEADY_RECORDS)
+    assert whole["output_throughput"] == round(8 / 14, 1)  # ramp-up and tail included
+
+
+def test_shares_over_the_load_window() -> None:
+    def sample(clock: float, cpu: tuple[float, float, float], captures: int) -> dict:
+        timelines = {
+            proc: {"timeline": {"cpu_s": s}} for proc, s in zip(serving.PROCESSES, cpu, strict=True)
+        }
+        timelines["runner"]["graph_pool"] = {"captures": captures}
+        timelines["runner"]["jit_misses"] = {"count": 1}
+        timelines["scheduler"]["cached_tokens"] = 40
+        return {"clock_s": clock, **timelines}
+
+    before = sample(100.0, (10.0, 20.0, 5.0), 3)
+    after = sample(104.0, (12.0, 24.0, 5.4), 5)
+    figures = serving.window_figures(before, after)
+    assert figures["server_window_s"] == 4.0
+    assert figures["cpu_busy"] == {"scheduler": 0.5, "runner": 1.0, "tokenizer": 0.1}
+    assert figures["timeline"]["runner"] == {"cpu_s": 24.0}
+    assert figures["captures_in_window"] == 2
+    assert figures["jit_misses_in_window"] == 0 and figures["cached_tokens_in_window"] == 0
+    del before["runner"]["graph_pool"]  # a server that does not report it: no figure
+    assert serving.window_figures(before, after)["captures_in_window"] is None
+    # The client's share: its CPU seconds over the load window, all processes and the busiest.
+    load = serving.ClientLoad([], [0.5, 1.0], 2.0)
+    assert load.figures() == {
+        "load_window_s": 2.0,
+        "client_processes": 2,
+        "client_cpu_busy": 0.75,
+        "client_cpu_busy_max": 0.5,
+    }
+
+
+def test_the_load_window_opens_at_the_go_and_closes_at_the_last_end(server: ServerProcess) -> None:
+    samples: list[tuple[float, float | None]] = []
+
+    def sample(since: float | None) -> dict:
+        now = time.perf_counter()
+        samples.append((now, since))
+        return {"clock_s": now}
+
+    for processes in (1, 2):
+        samples.clear()
+        window = serving.LoadWindow(sample)
+        called = time.perf_counter()
+        load = serving.client_load(
+            server.url,
+            [RequestSpec([1, 2, 3, i + 1], 3) for i in range(4)],
+            processes,
+            max_concurrency=2,
+            request_rate=math.inf,
+            seed=0,
+            timeout_s=60.0,
+            max_duration_s=math.inf,
+            headers=None,
+            window=window,
+        )
+        (opened_at, first_since), (closed_at, second_since) = samples
+        assert first_since is None and second_since == opened_at  # the timeline's start
+        first_send = min(r.sent for r in load.records)
+        last_end = max(r.done or 0.0 for r in load.records)
+        assert called < opened_at <= window.opened <= first_send  # every process was up
+        assert last_end <= window.closed <= closed_at
+        assert load.wall_s == window.closed - window.opened
+
+
+def test_table_rows_read_the_timeline_of_new_and_older_results() -> None:
+    kinds = {
+        "extend": {"steps": 4, "requests_mean": 2.0, "tokens_mean": 64.0, "ms_total": 30.0},
+        "decode": {"steps": 90, "requests_mean": 7.5, "tokens_mean": 7.5, "ms_total": 90.0},
+    }
+    flat = {f"{kind}_{k}": v for kind, figures in kinds.items() for k, v in figures.items()}
+    for scheduler in ({"steps": 94, "kinds": kinds}, {"steps": 94, **flat}):
+        row = serving.table_row({"timeline": {"scheduler": scheduler}})
+        assert (row["decode_bs"], row["extend_steps"], row["extend_share"]) == (7.5, 4, 25.0)
+        assert row["ceiling_tok_s"] is None and row["steady_output_throughput"] is None
+
+
+def test_runner_ceiling_arithmetic() -> None:
+    rows = [
+        {"batch_size": 1, "input_len": 128, "prefill_ms": 10.0, "decode_ms_overlapped": 1.0},
+        {"batch_size": 32, "input_len": 128, "prefill_ms": 40.0, "decode_ms_overlapped": 2.0},
+    ]
+    # Halfway between the measured batches: prefill 25 ms, decode 1.5 ms a step.
+    c = runner_ceiling.ceiling(rows, 16.5, 64)
+    assert (c["prefill_ms"], c["decode_ms"]) == (25.0, 1.5)
+    assert c["tok_s"] == round(16.5 * 64 * 1000 / (25 + 64 * 1.5), 1) == 8727.3
+    assert c["measured_batches"] == [1, 32] and c["input_len"] == 128
+    # Beyond the largest measured batch: its figures (the nearest), at the run's own batch.
+    c = runner_ceiling.ceiling(rows, 64, 64)
+    assert (c["prefill_ms"], c["decode_ms"]) == (40.0, 2.0)
+    assert c["tok_s"] == round(64 * 64 * 1000 / (40 + 128), 1)
+    figures = RunnerFigures("file", rows)
+    assert figures.ceiling(16.5, 64)["tok_s"] == 8727.3
+    assert figures.ceiling(None, 64) == {
+        "tok_s": None,
+        "missing": "the server took no decode steps in the run",
+    }
+    assert RunnerFigures(None, error="why").ceiling(8, 64) == {"tok_s": None, "missing": "why"}
+
+
+def test_runner_results_file(tmp_path: Path) -> None:
+    def row(batch: int, backend: str = "full", input_len: int = 128, prefill: float = 5.0):
+        return {
+            "decode_backend": backend,
+            "batch_size": batch,
+            "input_len": input_len,
+            "prefill_ms": prefill,
+            "decode_ms_overlapped": 1.0,
+        }
+
+    path = tmp_path / "runner.jsonl"
+    hf = {"method": "cublas-chain", "batch_size": 1, "input_len": 128, "prefill_ms": 1.0}
+    lines = [row(8), row(1), row(8, prefill=7.0), row(4, input_len=64), hf]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rows = runner_ceiling.read_rows(path, 128)
+    assert [(r["batch_size"], r["prefill_ms"]) for r in rows] == [(1, 5.0), (8, 7.0)]  # last wins
+    with pytest.raises(ValueError, match="no one_batch rows at input length 32"):
+        runner_ceiling.read_rows(path, 32)
+    path.write_text(json.dumps(row(1)) + "\n" + json.dumps(row(8, backend="disabled")) + "\n")
+    with pytest.raises(ValueError, match="measured 2 configurations"):
+        runner_ceiling.read_rows(path, 128)
+    with pytest.raises(SystemExit):  # refused before any load
+        serving.main(["--base-url", "http://x", "--runner-results", str(path)])
+
+
+def test_longest_shared_prefix() -> None:
+    assert serving.longest_shared_prefix([[1, 2, 3], [5], [1, 2, 4, 4]]) == 2
+    assert serving.longest_shared_prefix([[1, 2], [1, 2, 3]]) == 2  # one is the other's start
+    assert serving.longest_shared_prefix([[7, 7]]) == 0
+
+
+def call_plan(*args: str, buckets: tuple[int, ...] = ()) -> serving.CallPlan:
+    ns = serving.build_parser().parse_args(list(args))
+    return serving.plan_call(ns, vocab_size=512, buckets=buckets)
+
+
+def test_prompts_are_distinct_across_runs_levels_and_the_warm_up() -> None:
+    args = ["--max-concurrency", "1", "4", "32", "32", "--input-len", "16", "--range-ratio", "0.5"]
+    plan = call_plan(*args, buckets=(1, 2, 4, 8, 16, 24, 32, 40))
+    prompts = list(plan.prompts())
+    # 64 requests a run, at least 1,024 where more than 16 can be in flight; the warm-up's.
+    assert [len(run.specs) for run in plan.runs] == [64, 64, 1024, 1024]
+    assert len(prompts) == 64 + 64 + 2048 + sum([1, 2, 4, 8, 16, 24, 32])
+    assert serving.longest_shared_prefix(prompts) < serving.DISTINCT_HEAD
+    assert all(8 <= len(p) <= 16 for p in prompts)
+    assert plan.runs[2].seed != plan.runs[3].seed  # the same level twice: other arrivals too
+    assert call_plan(*args, buckets=(1, 2, 4, 8, 16, 24, 32, 40)) == plan  # from --seed alone
+    assert call_plan(*args, "--seed", "1").runs[0].specs != plan.runs[0].specs
+    # Asked for: every prompt starts with the same tokens, and shares no more than those.
+    shared = call_plan(*args, "--shared-prefix-len", "6")
+    prompts = list(shared.prompts())
+    assert len(shared.shared_prefix) == 6
+    assert all(p[:6] == shared.shared_prefix for p in prompts)
+    assert 6 <= serving.longest_shared_prefix(prompts) < 6 + serving.DISTINCT_HEAD
+
+
+def test_requests_per_run() -> None:
+    def counts(*args: str) -> list[int]:
+        return serving.request_counts(serving.build_parser().parse_args(list(args)))
+
+    levels = ["--max-concurrency", "1", "16", "17", "0"]
+    assert counts(*levels) == [64, 64, 1024, 1024]  # no cap: every request may be in flight
+    assert counts(*levels, "--min-requests-per-level", "200") == [64, 64, 200, 200]
+    assert counts(*levels, "--num-prompts", "5") == [5, 5, 5, 5]  # given: as given
+    assert counts(*levels, "--num-prompts", "1", "2", "3", "4") == [1, 2, 3, 4]
+
+
+def test_warm_up_bursts() -> None:
+    # A burst per run's in-flight count, and per decode bucket up to the largest of those.
+    ladder = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72]
+    assert serving.warmup_sizes([1, 32, 64], ladder) == ladder[:-1]
+    assert serving.warmup_sizes([1, 20], []) == [1, 20]  # no graphs: the runs' counts
+    plan = call_plan(
+        "--max-concurrency", "2", "6", "--num-prompts", "3", "--output-len", "40", buckets=(1, 4, 8)
+    )
+    # At most as many in flight as a run has requests: 3 for the cap of 6.
+    assert [len(burst) for burst in plan.warmup] == [1, 2, 3]
+    assert {s.output_len for burst in plan.warmup for s in burst} == {16}  # --warmup-output-len
+    plan = call_plan("--max-concurrency", "2", "--output-len", "8")
+    assert [[s.output_len for s in burst] for burst in plan.warmup] == [[8, 8]]  # at most its own
+    assert call_plan("--max-concurrency", "2", "--no-warmup").warmup == []
+    info = {"graphs": {"decode": {"buckets": [{"bucket": 4}, {"bucket": 1}]}}}
+    assert serving.decode_buckets(info) == [1, 4]
+    assert serving.decode_buckets({"graphs": {"decode": {"buckets": []}}}) == []
 
 
 def test_serving_refuses_both_a_url_and_server_flags() -> None:

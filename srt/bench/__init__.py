@@ -2,7 +2,9 @@
 
 - `one_batch`: the model runner's prefill and decode latency per phase, bucket and backend,
   with an optional profile summary (kernels per step, GPU ms against wall ms);
-- `serving`: load against the HTTP API (TTFT, TPOT, ITL, end-to-end latency, throughput);
+- `serving`: load against the HTTP API (TTFT, TPOT, ITL per event and per token, end-to-end
+  latency, throughput over the whole run and its steady part, each against the runner ceiling
+  of `runner_ceiling`, from one_batch figures of the same call);
 - `cold_start`: real servers per configuration, cold and warm compile cache: time to ready and
   its breakdown, first requests and first bucket hits against the steady state;
 - `hf_baseline`: transformers on the same shape (eager, static cache, `torch.compile`), the

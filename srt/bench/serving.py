@@ -1,28 +1,95 @@
 """Load against the HTTP API: streaming `/generate` requests of random token ids, sent at a
-Poisson rate or with a cap on the requests in flight; TTFT, TPOT, ITL and end-to-end latency
-(mean, p50, p90, p99), request and token throughput, errors.
+Poisson rate or with a cap on the requests in flight, one run per `--max-concurrency` value on
+the same server. Per run: latency and throughput over the whole run and over its steady part,
+what the server did meanwhile, and the runner ceiling the throughput is a fraction of. A JSON
+file and a table, printed last.
 
-    python -m srt.bench.serving --base-url http://127.0.0.1:30000 --num-prompts 64 \\
-        --max-concurrency 1 16 64 --input-len 128 --output-len 64 --output-file serving.json
-    python -m srt.bench.serving --num-prompts 32 --max-concurrency 8 -- --model-path DIR ...
+    python -m srt.bench.serving --max-concurrency 1 32 64 128 --input-len 128 --output-len 64 \\
+        --output-file serving.json -- --model-path DIR --cuda-graph-backend-decode full
+    python -m srt.bench.serving --base-url http://127.0.0.1:30000 --max-concurrency 1 64 \\
+        --runner-results runner.jsonl
 
-Without `--base-url` it starts a server itself with the flags after `--` and stops it at the
-end. Prompts are token ids (any tokenizer works: the model's vocabulary size comes from the
-server), `--input-len` long, or uniform in [ratio x len, len] with `--range-ratio`; every
-request asks for exactly `--output-len` tokens (`ignore_eos`), and a request that gets any
-other count is counted as an error. Several `--max-concurrency` values run one after another
-on the same server. A JSON file and a table, printed last.
+Without `--base-url` it first measures the runner ceiling (below), then starts a server with the
+flags after `--` and stops it at the end.
 
-One asyncio process saturates a CPU at some tens of streams, and then the load measures the
-client rather than the server. So a run's requests are split across `--client-processes`
-spawned client processes (request i goes to process i mod N; each gets an even share of the
-concurrency cap, or of the request rate with a seed of its own) and their records merged back
-in order. The default, `auto`, takes one process per 16 requests that can be in flight (the
-cap, or every request of a run without one), at most half the CPUs (the server needs the
-rest), so runs of up to 16 streams stay in this process. Each run records the processes it
-used (`client_processes`), their CPU seconds summed per second of the run
-(`client_cpu_busy`) and the busiest one's (`client_cpu_busy_max`: near 1, the client was
-the bottleneck).
+**Prompts.** Token ids (any tokenizer works: the vocabulary size comes from the server),
+`--input-len` long, or uniform in [ratio x len, len] with `--range-ratio`; every request asks
+for exactly `--output-len` tokens (`ignore_eos`), and one that gets any other count is an error.
+Every prompt of a call, warm-up and runs, is its own: each run draws from a seed derived from
+`--seed` and its index (the warm-up's from `--seed` and its burst), and a prompt whose first 4
+tokens an earlier one of the call begins with is drawn again, so that no two prompts share more
+than 3 leading tokens and the server's prefix cache serves no run (`prompts` in the JSON holds
+the longest prefix two prompts share; `cached_tokens_in_window` what the cache served).
+`--shared-prefix-len N` asks for the other workload: every prompt starts with the same N tokens
+(column `prefix`), then its own.
+
+**Requests per run.** `--num-prompts`, when given, is what each run sends. By default a run
+sends 64 requests, and one in which more than 16 can be in flight (a cap above 16, or none) at
+least `--min-requests-per-level` (1,024): a count, not a duration, so that the runs of one call
+are the same work whatever the server's speed. At 64 output tokens, 128 requests at concurrency
+128 last about a second, most of it ramp-up and tail.
+
+**Warm-up.** Before the first timed run, untimed bursts of concurrent requests with the runs'
+prompt lengths and `--warmup-output-len` tokens: one per run, of as many requests as the run
+can have in flight, and one per decode bucket of the server (`graphs.decode.buckets` of
+`/get_server_info`) up to the largest of those, since a run's batch passes through the smaller
+buckets on its way up and down. Lazy captures and first compiles then happen before timing;
+`warmup` in the JSON counts those it caused. `--no-warmup` skips it.
+
+**The load window** of a run opens when every client process is up, right before they are told
+to go, and closes when the run's last request ends; the server's `/get_server_info` is taken at
+both ends. Over that window:
+
+- `cpu_busy`: each server process's CPU seconds per second of the window (near 1: the process
+  was the bottleneck, or spinning); `client_cpu_busy` the client processes' together,
+  `client_cpu_busy_max` the busiest one's (near 1: the load measured the client);
+- `timeline`: each process's step timeline over the steps begun in the window (of a window of
+  more steps than a timeline keeps, 1024, the last); `decode bs` is the scheduler's mean decode
+  batch (`kinds.decode.requests_mean`), `extend steps` and `extend time %` its prefill steps
+  and their share of the step time;
+- `captures_in_window`, `jit_misses_in_window`: the CUDA graphs the runner captured and its JIT
+  compiles after ready (`runner.graph_pool.captures`, `runner.jit_misses.count`): a figure paid
+  for one of them is not the steady state's. `cached_tokens_in_window`: prompt tokens the prefix
+  cache served (`scheduler.cached_tokens`).
+
+**Whole-run figures**, over the run's requests (latencies: the completed ones), throughput over
+the time from the first send to the last answer (`duration_s`): `request_throughput`,
+`output_throughput` (tokens per second) and the latency summaries (mean, p50, p90, p99, ms):
+
+- `ttft_ms`: from the send to the first token;
+- `tpot_ms` (TPOT): a request's time after its first token per token after the first, the
+  same whatever number of tokens the stream's events carried;
+- `itl_ms` (ITL per event): the gaps between a stream's consecutive events. One decode step
+  while the stream keeps up; a stream that falls behind gets several steps' tokens in one
+  event, and fewer, longer gaps;
+- `itl_token_ms` (ITL per token, as SGLang's bench reports ITL): each event's gap divided by
+  the tokens it carried, once per token (the first event's tokens are the TTFT's);
+- `e2e_ms`: from the send to the end of the stream.
+
+**Steady figures** (`steady`): the same over the part of the run where the requests in flight
+were at the cap (without a cap: at their peak), from the first moment they reached it to the
+last moment they fell below it, which leaves out the ramp-up and the tail. Its throughputs
+count the tokens and the request ends inside it per second of it (`duration_s`), its latencies
+are those of the requests sent and finished inside it, `in_flight_mean` is the mean number in
+flight over it. None when the run never had the cap in flight.
+
+**Runner ceiling** (`runner_ceiling`, see `srt.bench.runner_ceiling`): B * output_len * 1000 /
+(prefill_ms(B prompts) + output_len * decode_ms(B)) tok/s at the run's mean decode batch B, from
+`srt.bench.one_batch` figures measured in the same call: without `--base-url`, this runs
+one_batch with the server's flags at the input and output length of the runs, at batch 1 and
+at each run's in-flight count, before it starts the server; with it, from `--runner-results`
+(one_batch's JSON lines, of the same machine, configuration and input length). `of ceiling`
+is each served throughput, whole run and steady, as a fraction of it; without runner figures
+the columns are empty and a line above the table says why.
+
+**Client processes.** One asyncio process saturates a CPU at some tens of streams, and then the
+load measures the client rather than the server. So a run's requests are split across
+`--client-processes` spawned client processes (request i goes to process i mod N; each gets an
+even share of the concurrency cap, or of the request rate with a seed of its own) and their
+records merged back in order. The default, `auto`, takes one process per 16 requests that can
+be in flight (the cap, or every request of a run without one), at most half the CPUs (the
+server needs the rest), so runs of up to 16 streams stay in this process. Each run records the
+processes it used (`client_processes`).
 """
 
 from __future__ import annotations
@@ -30,6 +97,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -38,7 +106,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing import connection
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -48,7 +116,9 @@ import httpx
 import orjson
 from tqdm import tqdm
 
+from srt.bench import runner_ceiling
 from srt.bench.report import format_table, machine, summary, write_json
+from srt.bench.runner_ceiling import RunnerFigures
 from srt.bench.server_process import ServerProcess, add_server_flags_arg, server_flags
 
 
@@ -99,6 +169,27 @@ class RequestRecord:
         t = self.chunk_times
         return [b - a for a, b in zip(t, t[1:], strict=False)]
 
+    @property
+    def itl_token_s(self) -> list[float]:
+        """SGLang's ITL: each event's gap (`itl_s`) divided by the tokens the event brought,
+        once per token; the first event's tokens have none (they are the TTFT's)."""
+        # An event's tokens all carry its time.
+        tokens_per_event = [len(list(same)) for _, same in itertools.groupby(self.token_times)]
+        return [
+            gap / tokens
+            for gap, tokens in zip(self.itl_s, tokens_per_event[1:], strict=True)
+            for _ in range(tokens)
+        ]
+
+
+# ---- prompts -------------------------------------------------------------------------------
+
+# Two prompts of one call differ within the first DISTINCT_HEAD tokens after the shared prefix
+# (when one is asked for), so the prefix cache serves any prompt at most DISTINCT_HEAD - 1 of
+# those tokens from another's.
+DISTINCT_HEAD = 4
+_MAX_DRAWS = 100  # per prompt, before its space of heads counts as used up
+
 
 def random_requests(
     num: int,
@@ -106,18 +197,49 @@ def random_requests(
     output_len: int,
     vocab_size: int,
     range_ratio: float = 1.0,
-    seed: int = 0,
+    seed: int | str = 0,
+    *,
+    prefix: Sequence[int] = (),
+    heads: set[tuple[int, ...]] | None = None,
 ) -> list[RequestSpec]:
     """`num` prompts of random token ids, `input_len` long (or uniform in
-    [range_ratio * input_len, input_len]), each asking for `output_len` tokens."""
+    [range_ratio * input_len, input_len]), each asking for `output_len` tokens. Each starts with
+    `prefix`, then tokens of its own. `heads` (the first DISTINCT_HEAD of those of the prompts
+    drawn before; this adds the new ones) makes them distinct: a prompt that begins like an
+    earlier one is drawn again; ValueError when that keeps happening (too short, too small a
+    vocabulary)."""
     rng = random.Random(seed)
-    low = max(1, math.ceil(input_len * range_ratio))
-    return [
-        RequestSpec(
-            [rng.randrange(vocab_size) for _ in range(rng.randint(low, input_len))], output_len
-        )
-        for _ in range(num)
-    ]
+    low = max(len(prefix) + 1, math.ceil(input_len * range_ratio))
+    specs = []
+    for _ in range(num):
+        length = rng.randint(low, input_len) - len(prefix)
+        for _ in range(_MAX_DRAWS):
+            own = [rng.randrange(vocab_size) for _ in range(length)]
+            head = tuple(own[:DISTINCT_HEAD])
+            if heads is None or head not in heads:
+                break
+        else:
+            raise ValueError(
+                f"no distinct prompt of {length} own tokens left in a vocabulary of {vocab_size}"
+            )
+        if heads is not None:
+            heads.add(head)
+        specs.append(RequestSpec([*prefix, *own], output_len))
+    return specs
+
+
+def longest_shared_prefix(prompts: Iterable[Sequence[int]]) -> int:
+    """The most leading tokens two of `prompts` have in common (0 with fewer than two): in
+    sorted order the longest common prefix is that of some neighbours."""
+    ordered = sorted(tuple(p) for p in prompts)
+    longest = 0
+    for a, b in itertools.pairwise(ordered):
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        longest = max(longest, min(len(a), len(b)) if same is None else same)
+    return longest
+
+
+# ---- one client process's load -------------------------------------------------------------
 
 
 async def send_request(
@@ -170,7 +292,7 @@ async def run_load(
     *,
     max_concurrency: int | None = None,
     request_rate: float = math.inf,
-    seed: int = 0,
+    seed: int | str = 0,
     timeout_s: float = 300.0,
     max_duration_s: float = math.inf,
     headers: dict[str, str] | None = None,
@@ -214,9 +336,16 @@ async def run_load(
     return records
 
 
+# ---- a run's load, from one or several client processes ------------------------------------
+
 # Streams one client process is given before `auto` adds another: one asyncio process was on
 # a CPU 89-97% of a run at 64 and 128 streams, and kept only 5-11 of them in flight.
 STREAMS_PER_CLIENT_PROCESS = 16
+
+
+def most_in_flight(max_concurrency: int | None, num_requests: int) -> int:
+    """The most requests a run can have in flight: its cap (None: none), or all of them."""
+    return min(max_concurrency or num_requests, num_requests)
 
 
 def client_processes_for_run(
@@ -228,7 +357,7 @@ def client_processes_for_run(
     least. Without a cap every request may be in flight: all of them at once, or at a rate
     whose overlap depends on the server's latency, which is unknown beforehand, so `auto`
     sizes such a run for the worst case (a process too many only idles)."""
-    in_flight = min(max_concurrency or num_requests, num_requests)
+    in_flight = most_in_flight(max_concurrency, num_requests)
     if requested is None:
         most = max(1, (cpu_count or 1) // 2)
         requested = min(math.ceil(in_flight / STREAMS_PER_CLIENT_PROCESS), most)
@@ -240,19 +369,52 @@ def split_evenly(total: int, parts: int) -> list[int]:
     return [total // parts + (k < total % parts) for k in range(parts)]
 
 
+class LoadWindow:
+    """The timed window of a load: it opens right before the client processes are told to go
+    (every one is up) and closes as the load's last request ends. `sample`, given the
+    `clock_s` of the opening sample (None for the opening itself), takes the server's info at
+    both ends: `before` and `after`, the latter's timelines over the steps of the window."""
+
+    def __init__(self, sample: Callable[[float | None], dict[str, Any]] | None = None) -> None:
+        self.sample = sample
+        self.before: dict[str, Any] | None = None
+        self.after: dict[str, Any] | None = None
+        self.opened = self.closed = math.nan  # perf_counter seconds
+        # This process's CPU clock at both ends: the client's, when the load runs in it.
+        self.cpu_opened = self.cpu_closed = math.nan
+
+    def open(self) -> None:
+        if self.sample is not None:
+            self.before = self.sample(None)
+        self.opened, self.cpu_opened = time.perf_counter(), time.process_time()
+
+    def close(self) -> None:
+        """Close the window (once: a later call does nothing)."""
+        if not math.isnan(self.closed):
+            return
+        self.closed, self.cpu_closed = time.perf_counter(), time.process_time()
+        if self.sample is not None and self.before is not None:
+            self.after = self.sample(self.before["clock_s"])
+
+    @property
+    def seconds(self) -> float:
+        return self.closed - self.opened
+
+
 @dataclasses.dataclass
 class ClientLoad:
     """A run's records, in the order of its specs, and what the load cost the client: the CPU
-    seconds of each client process over the run, and the run's wall seconds."""
+    seconds of each client process over the load, and the load window's seconds."""
 
     records: list[RequestRecord]
     cpu_s: list[float]
     wall_s: float
 
     def figures(self) -> dict[str, Any]:
-        """The client's CPU share of the run, all its processes together and the busiest one
-        (the one that saturates first: near 1, the load measured the client)."""
+        """The client's CPU share of the load window, all its processes together and the
+        busiest one (the one that saturates first: near 1, the load measured the client)."""
         return {
+            "load_window_s": round(self.wall_s, 3),
             "client_processes": len(self.cpu_s),
             "client_cpu_busy": round(sum(self.cpu_s) / self.wall_s, 3),
             "client_cpu_busy_max": round(max(self.cpu_s) / self.wall_s, 3),
@@ -266,23 +428,35 @@ def client_load(
     *,
     max_concurrency: int | None,
     request_rate: float,
-    seed: int,
+    seed: int | str,
     timeout_s: float,
     max_duration_s: float,
     headers: dict[str, str] | None,
+    window: LoadWindow | None = None,
+    progress: bool = True,
 ) -> ClientLoad:
     """`run_load` of `specs`, in this process (`processes` 1) or split across `processes`
     spawned client processes: request i goes to process i % processes, which gets its share
     of `max_concurrency` (even, one at least) and of `request_rate` with a seed of its own
-    (N Poisson streams at rate/N make one at the rate). A client process that fails or dies
-    fails the run."""
+    (N Poisson streams at rate/N make one at the rate). `window` (a new one by default) is
+    opened once every process is up and closed as the last request ends. A client process
+    that fails or dies fails the run."""
+    window = LoadWindow() if window is None else window
     common: dict[str, Any] = {
         "timeout_s": timeout_s,
         "max_duration_s": max_duration_s,
         "headers": headers,
     }
     if processes == 1:
-        cpu, start = time.process_time(), time.perf_counter()
+        ended = 0
+
+        def request_done() -> None:
+            nonlocal ended
+            ended += 1
+            if ended == len(specs):
+                window.close()
+
+        window.open()
         records = asyncio.run(
             run_load(
                 base_url,
@@ -290,10 +464,13 @@ def client_load(
                 max_concurrency=max_concurrency,
                 request_rate=request_rate,
                 seed=seed,
+                progress=progress,
+                on_request_done=request_done,
                 **common,
             )
         )
-        return ClientLoad(records, [time.process_time() - cpu], time.perf_counter() - start)
+        window.close()  # if a request was cancelled, the last did not end
+        return ClientLoad(records, [window.cpu_closed - window.cpu_opened], window.seconds)
     seeds = random.Random(seed)
     caps = split_evenly(max_concurrency, processes) if max_concurrency else [None] * processes
     shares = [
@@ -305,14 +482,18 @@ def client_load(
         )
         for cap in caps
     ]
-    return load_from_processes(base_url, specs, shares)
+    return load_from_processes(base_url, specs, shares, window, progress)
 
 
 def load_from_processes(
-    base_url: str, specs: Sequence[RequestSpec], shares: Sequence[dict[str, Any]]
+    base_url: str,
+    specs: Sequence[RequestSpec],
+    shares: Sequence[dict[str, Any]],
+    window: LoadWindow,
+    progress: bool = True,
 ) -> ClientLoad:
     """`run_load` in a spawned client process per share (`run_load`'s settings), request i in
-    process i % len(shares); the load starts once every process is up."""
+    process i % len(shares); the load (and `window`) starts once every process is up."""
     processes = len(shares)
     ctx = mp.get_context("spawn")
     procs: list[mp.process.BaseProcess] = []
@@ -332,17 +513,21 @@ def load_from_processes(
             conns.append(ours)
         for _ in receive(procs, conns, until="ready"):  # so that they start together
             pass
-        start = time.perf_counter()
+        window.open()
         for conn in conns:
             conn.send("go")
         results: dict[int, tuple[list[RequestRecord], float]] = {}
-        with tqdm(total=len(specs), desc="requests", unit="req") as bar:
+        ended = 0
+        with tqdm(total=len(specs), desc="requests", unit="req", disable=not progress) as bar:
             for k, message in receive(procs, conns, until="records"):
                 if message[0] == "records":
                     results[k] = message[1], message[2]
                 else:
                     bar.update()
-        wall_s = time.perf_counter() - start
+                    ended += 1
+                    if ended == len(specs):
+                        window.close()
+        window.close()  # if a request was cancelled, the last did not end
         for proc in procs:
             proc.join()
     finally:
@@ -354,7 +539,7 @@ def load_from_processes(
             conn.close()
     # Back in the specs' order; their times compare as they are (one host's perf_counter).
     records = [results[i % processes][0][i // processes] for i in range(len(specs))]
-    return ClientLoad(records, [results[k][1] for k in range(processes)], wall_s)
+    return ClientLoad(records, [results[k][1] for k in range(processes)], window.seconds)
 
 
 def receive(
@@ -408,6 +593,21 @@ def client_process(
         conn.close()
 
 
+# ---- a run's figures -----------------------------------------------------------------------
+
+
+def latency_figures(ok: Sequence[RequestRecord]) -> dict[str, Any]:
+    """The latency summaries (ms) of completed requests: TTFT, TPOT, ITL per event and per
+    token, end to end."""
+    return {
+        "ttft_ms": summary([r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
+        "tpot_ms": summary([r.tpot_s * 1000 for r in ok if r.tpot_s is not None]),
+        "itl_ms": summary([gap * 1000 for r in ok for gap in r.itl_s]),
+        "itl_token_ms": summary([gap * 1000 for r in ok for gap in r.itl_token_s]),
+        "e2e_ms": summary([((r.done or r.sent) - r.sent) * 1000 for r in ok]),
+    }
+
+
 def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """The load's figures: latency summaries over the completed requests (ms), throughput
     over the wall time from the first send to the last answer, errors."""
@@ -427,11 +627,75 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "total_output_tokens": output_tokens,
         "request_throughput": round(len(ok) / duration, 3),
         "output_throughput": round(output_tokens / duration, 1),
-        "ttft_ms": summary([r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
-        "tpot_ms": summary([r.tpot_s * 1000 for r in ok if r.tpot_s is not None]),
-        "itl_ms": summary([gap * 1000 for r in ok for gap in r.itl_s]),
-        "e2e_ms": summary([((r.done or r.sent) - r.sent) * 1000 for r in ok]),
+        **latency_figures(ok),
     }
+
+
+def in_flight_steps(records: Sequence[RequestRecord]) -> list[tuple[float, int]]:
+    """The requests in flight after each send and each end of the sent requests, in time
+    order (at one instant, ends before sends)."""
+    sent = [r for r in records if r.sent and r.done is not None]
+    events = sorted([(r.sent, 1) for r in sent] + [(r.done or 0.0, -1) for r in sent])
+    counts = itertools.accumulate(step for _, step in events)
+    return [(t, count) for (t, _), count in zip(events, counts, strict=True)]
+
+
+def steady_window(records: Sequence[RequestRecord], cap: int | None) -> tuple[float, float] | None:
+    """(start, end) of the part of a run where the requests in flight were at `cap` (at most
+    the run's requests; None: at their peak): from the first moment they reached it to the
+    last moment they fell below it, leaving out the ramp-up and the tail. None if they never
+    reached it, or fell below it for good at once."""
+    steps = in_flight_steps(records)
+    if not steps:
+        return None
+    target = min(cap, len(records)) if cap else max(count for _, count in steps)
+    start = end = None
+    before = 0
+    for t, count in steps:
+        if start is None and count >= target:
+            start = t
+        elif start is not None and before >= target > count:
+            end = t
+        before = count
+    if start is None or end is None or end <= start:
+        return None
+    return start, end
+
+
+def mean_in_flight(steps: Sequence[tuple[float, int]], start: float, end: float) -> float:
+    """The mean of the requests in flight (`in_flight_steps`) over [start, end]."""
+    total = 0.0
+    for (t0, count), (t1, _) in itertools.pairwise(steps):
+        total += count * max(0.0, min(t1, end) - max(t0, start))
+    return total / (end - start)
+
+
+def steady_figures(records: Sequence[RequestRecord], cap: int | None) -> dict[str, Any] | None:
+    """The run's figures over its steady window (`steady_window`; None without one): the
+    tokens and request ends inside it per second of it, the latencies of the requests sent
+    and finished inside it, the mean in flight."""
+    window = steady_window(records, cap)
+    if window is None:
+        return None
+    start, end = window
+    duration = end - start
+    ok = [r for r in records if r.ok]
+    inside = [r for r in ok if r.sent >= start and r.done is not None and r.done <= end]
+    tokens = sum(start <= t <= end for r in ok for t in r.token_times)
+    ends = sum(r.done is not None and start < r.done <= end for r in ok)
+    return {
+        "start_s": round(start - min(r.sent for r in records if r.sent), 3),
+        "duration_s": round(duration, 3),
+        "in_flight_mean": round(mean_in_flight(in_flight_steps(records), start, end), 2),
+        "requests": len(inside),
+        "output_tokens": tokens,
+        "request_throughput": round(ends / duration, 3),
+        "output_throughput": round(tokens / duration, 1),
+        **latency_figures(inside),
+    }
+
+
+# ---- what the server says ------------------------------------------------------------------
 
 
 def server_info(
@@ -444,52 +708,328 @@ def server_info(
     return info
 
 
-def vocab_size_of(base_url: str, headers: dict[str, str] | None = None) -> int:
-    return int(server_info(base_url, headers)["model"]["vocab_size"])
-
-
 PROCESSES = ("scheduler", "runner", "tokenizer")
+# Counters of the server's info: graphs the runner captured, its JIT compiles after ready, the
+# prompt tokens the prefix cache served.
+CAPTURES = ("runner", "graph_pool", "captures")
+JIT_MISSES = ("runner", "jit_misses", "count")
+CACHED_TOKENS = ("scheduler", "cached_tokens")
 
 
-def after_run(
-    base_url: str, before: dict[str, Any], headers: dict[str, str] | None = None
-) -> dict[str, Any]:
-    """What the server says once a run is done: the KV slots requests still hold (none, if
-    every finished request gave its slots back; the prefix cache's are apart), its per-step
-    timeline, per process, over the steps begun since the run began (`before`, the server
-    info taken then; of a run longer than the 1024 steps a timeline keeps, the last), and
-    the share of the run's wall time each process spent on a CPU (near 1: it was the
-    bottleneck, or spinning)."""
-    info = server_info(base_url, headers, timeline_since=before["clock_s"])
-    scheduler = info["scheduler"]
-    wall = info["clock_s"] - before["clock_s"]
-    return {
-        "kv_slots_held_after": scheduler["kv_slots_used"] - scheduler["kv_slots_cached"],
-        "kv_slots_cached_after": scheduler["kv_slots_cached"],
-        "timeline": {proc: info[proc].get("timeline") for proc in PROCESSES},
-        "cpu_busy": {
-            proc: round((cpu_s(info, proc) - cpu_s(before, proc)) / wall, 3) for proc in PROCESSES
-        },
-    }
+def nested(info: dict[str, Any], path: Sequence[str]) -> Any:
+    """`info[path[0]][path[1]]...`, None where a level is missing."""
+    value: Any = info
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def growth(before: dict[str, Any], after: dict[str, Any], *path: str) -> int | None:
+    """How much a counter of the server's info (at `path`) grew from `before` to `after`;
+    None where the server does not report it."""
+    first, last = nested(before, path), nested(after, path)
+    return last - first if isinstance(first, int) and isinstance(last, int) else None
+
+
+def step_kind(timeline: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    """A step timeline's figures of one step kind (`extend`, `decode`): its `steps`,
+    `requests_mean`, `tokens_mean` and `ms_total`; empty where it had none. Older results
+    files hold them flat (`decode_steps`, ...)."""
+    timeline = timeline or {}
+    if "kinds" in timeline:
+        return dict(timeline["kinds"].get(kind) or {})
+    fields = ("steps", "requests_mean", "tokens_mean", "ms_total")
+    return {f: timeline[f"{kind}_{f}"] for f in fields if f"{kind}_{f}" in timeline}
 
 
 def cpu_s(info: dict[str, Any], proc: str) -> float:
     return float(info[proc]["timeline"]["cpu_s"])
 
 
+def window_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the server did in a load window, from its info at the window's opening and
+    closing (`after` taken with `timeline_since` the opening's clock): per process, its step
+    timeline and its CPU seconds per second of the window; the graphs captured, the JIT
+    misses and the prompt tokens served from the prefix cache in it."""
+    wall = after["clock_s"] - before["clock_s"]
+    return {
+        "server_window_s": round(wall, 3),
+        "timeline": {proc: after[proc].get("timeline") for proc in PROCESSES},
+        "cpu_busy": {
+            proc: round((cpu_s(after, proc) - cpu_s(before, proc)) / wall, 3) for proc in PROCESSES
+        },
+        "captures_in_window": growth(before, after, *CAPTURES),
+        "jit_misses_in_window": growth(before, after, *JIT_MISSES),
+        "cached_tokens_in_window": growth(before, after, *CACHED_TOKENS),
+    }
+
+
+def kv_figures(info: dict[str, Any]) -> dict[str, Any]:
+    """The KV slots requests still hold once a run is over (none, if every finished request
+    gave its slots back; the prefix cache's are apart), and the prefix cache's."""
+    scheduler = info["scheduler"]
+    return {
+        "kv_slots_held_after": scheduler["kv_slots_used"] - scheduler["kv_slots_cached"],
+        "kv_slots_cached_after": scheduler["kv_slots_cached"],
+    }
+
+
+def decode_buckets(info: dict[str, Any]) -> list[int]:
+    """The server's decode buckets (batch sizes with a graph of their own, captured or not)."""
+    return sorted(b["bucket"] for b in nested(info, ("graphs", "decode", "buckets")) or [])
+
+
+# ---- the plan of a call --------------------------------------------------------------------
+
+DEFAULT_REQUESTS = 64  # per run, without --num-prompts
+# Runs with more requests in flight than this get at least --min-requests-per-level.
+SHORT_RUN_IN_FLIGHT = 16
+
+
+@dataclasses.dataclass
+class RunPlan:
+    """One timed run: its cap (None: none), its requests, the seed of its arrivals."""
+
+    max_concurrency: int | None
+    specs: list[RequestSpec]
+    seed: str
+
+    @property
+    def in_flight(self) -> int:
+        return most_in_flight(self.max_concurrency, len(self.specs))
+
+
+@dataclasses.dataclass
+class CallPlan:
+    """Every request of a call: the warm-up's bursts (each sent with all its requests in
+    flight), the timed runs, and the prefix every prompt starts with."""
+
+    warmup: list[list[RequestSpec]]
+    runs: list[RunPlan]
+    shared_prefix: list[int]
+
+    def prompts(self) -> Iterator[list[int]]:
+        for burst in self.warmup:
+            yield from (spec.input_ids for spec in burst)
+        for run in self.runs:
+            yield from (spec.input_ids for spec in run.specs)
+
+
+def request_counts(ns: argparse.Namespace) -> list[int]:
+    """Requests per run: `--num-prompts` as given (one value for all, or one per run); else
+    DEFAULT_REQUESTS, and at least `--min-requests-per-level` where more than
+    SHORT_RUN_IN_FLIGHT requests can be in flight (a larger cap, or none)."""
+    if ns.num_prompts is not None:
+        return (
+            ns.num_prompts * len(ns.max_concurrency) if len(ns.num_prompts) == 1 else ns.num_prompts
+        )
+    return [
+        max(DEFAULT_REQUESTS, ns.min_requests_per_level)
+        if cap == 0 or cap > SHORT_RUN_IN_FLIGHT
+        else DEFAULT_REQUESTS
+        for cap in ns.max_concurrency
+    ]
+
+
+def runs_in_flight(ns: argparse.Namespace) -> list[int]:
+    """The most requests each run can have in flight."""
+    return [
+        most_in_flight(cap, num)
+        for cap, num in zip(ns.max_concurrency, request_counts(ns), strict=True)
+    ]
+
+
+def warmup_sizes(in_flight: Sequence[int], buckets: Sequence[int]) -> list[int]:
+    """The warm-up's bursts: one of each run's in-flight count, and one per decode bucket up
+    to the largest of those (a run's batch passes through the smaller ones on its way up and
+    down)."""
+    top = max(in_flight, default=0)
+    return sorted({*in_flight, *(b for b in buckets if b <= top)})
+
+
+def plan_call(ns: argparse.Namespace, vocab_size: int, buckets: Sequence[int]) -> CallPlan:
+    """The requests of a call against a server of `vocab_size` tokens and these decode
+    buckets: each run's from a seed of its own (`--seed` and its index), the warm-up's bursts
+    (unless `--no-warmup`), every prompt distinct from every other (`random_requests`'s
+    heads) after the shared prefix of `--shared-prefix-len` tokens."""
+    prefix_rng = random.Random(f"{ns.seed}/prefix")
+    prefix = [prefix_rng.randrange(vocab_size) for _ in range(ns.shared_prefix_len)]
+    heads: set[tuple[int, ...]] = set()
+
+    def draw(num: int, output_len: int, seed: str) -> list[RequestSpec]:
+        return random_requests(
+            num,
+            ns.input_len,
+            output_len,
+            vocab_size,
+            ns.range_ratio,
+            seed,
+            prefix=prefix,
+            heads=heads,
+        )
+
+    runs = [
+        RunPlan(
+            cap or None,
+            draw(num, ns.output_len, f"{ns.seed}/run{index}"),
+            f"{ns.seed}/arrivals{index}",
+        )
+        for index, (cap, num) in enumerate(zip(ns.max_concurrency, request_counts(ns), strict=True))
+    ]
+    sizes = [] if ns.no_warmup else warmup_sizes([run.in_flight for run in runs], buckets)
+    output_len = min(ns.warmup_output_len, ns.output_len)
+    warmup = [draw(size, output_len, f"{ns.seed}/warmup{size}") for size in sizes]
+    return CallPlan(warmup, runs, prefix)
+
+
+# ---- the call ------------------------------------------------------------------------------
+
+
+def run_client_load(
+    base_url: str,
+    ns: argparse.Namespace,
+    headers: dict[str, str] | None,
+    specs: Sequence[RequestSpec],
+    max_concurrency: int | None,
+    request_rate: float,
+    seed: int | str,
+    window: LoadWindow | None = None,
+    progress: bool = True,
+) -> ClientLoad:
+    """`client_load` from the client processes `--client-processes` gives the load, with the
+    command line's timeouts."""
+    processes = client_processes_for_run(
+        ns.client_processes, max_concurrency, len(specs), os.cpu_count()
+    )
+    return client_load(
+        base_url,
+        specs,
+        processes,
+        max_concurrency=max_concurrency,
+        request_rate=request_rate,
+        seed=seed,
+        timeout_s=ns.timeout,
+        max_duration_s=ns.max_duration,
+        headers=headers,
+        window=window,
+        progress=progress,
+    )
+
+
+def warm_up(
+    base_url: str, ns: argparse.Namespace, headers: dict[str, str] | None, plan: CallPlan
+) -> dict[str, Any]:
+    """Send the warm-up's bursts, untimed, each with all its requests in flight; what they
+    made the server capture and compile."""
+    before = server_info(base_url, headers)
+    start = time.perf_counter()
+    errors = 0
+    for burst in plan.warmup:
+        load = run_client_load(
+            base_url, ns, headers, burst, len(burst), math.inf, ns.seed, progress=False
+        )
+        errors += sum(not r.ok for r in load.records)
+    after = server_info(base_url, headers)
+    return {
+        "bursts": [len(burst) for burst in plan.warmup],
+        "output_len": plan.warmup[0][0].output_len if plan.warmup else None,
+        "errors": errors,
+        "duration_s": round(time.perf_counter() - start, 3),
+        "captures": growth(before, after, *CAPTURES),
+        "jit_misses": growth(before, after, *JIT_MISSES),
+    }
+
+
+def timed_run(
+    base_url: str,
+    ns: argparse.Namespace,
+    headers: dict[str, str] | None,
+    run: RunPlan,
+    runner: RunnerFigures,
+) -> dict[str, Any]:
+    """One timed run and its figures: whole run, steady window, the server's load window,
+    the KV slots once it is over, the client's share, the runner ceiling."""
+    window = LoadWindow(lambda since: server_info(base_url, headers, since))
+    load = run_client_load(
+        base_url, ns, headers, run.specs, run.max_concurrency, ns.request_rate, run.seed, window
+    )
+    assert window.before is not None and window.after is not None  # it sampled both ends
+    rate = ns.request_rate if math.isfinite(ns.request_rate) else None  # None: at once
+    figures: dict[str, Any] = {
+        "max_concurrency": run.max_concurrency,
+        "request_rate": rate,
+        "input_len": ns.input_len,
+        "output_len": ns.output_len,
+        "range_ratio": ns.range_ratio,
+        "shared_prefix_len": ns.shared_prefix_len,
+        **metrics(load.records),
+        "steady": steady_figures(load.records, run.max_concurrency),
+        **window_figures(window.before, window.after),
+        **kv_figures(server_info(base_url, headers)),
+        # The client's own share: a saturated client under-reports the server.
+        **load.figures(),
+    }
+    batch = step_kind(figures["timeline"]["scheduler"], "decode").get("requests_mean")
+    ceiling = runner.ceiling(batch, ns.output_len)
+    figures["runner_ceiling"] = ceiling
+    figures["of_ceiling"] = fraction(figures["output_throughput"], ceiling["tok_s"])
+    steady = figures["steady"]
+    if steady is not None:
+        steady["of_ceiling"] = fraction(steady["output_throughput"], ceiling["tok_s"])
+    return figures
+
+
+def fraction(value: float, of: float | None) -> float | None:
+    return round(value / of, 3) if of else None
+
+
+def bench(
+    base_url: str, ns: argparse.Namespace, headers: dict[str, str] | None, runner: RunnerFigures
+) -> dict[str, Any]:
+    """The warm-up, then every run; with what the prompts of the call share."""
+    info = server_info(base_url, headers)
+    plan = plan_call(ns, int(info["model"]["vocab_size"]), decode_buckets(info))
+    warmup = warm_up(base_url, ns, headers, plan)
+    runs = [timed_run(base_url, ns, headers, run, runner) for run in plan.runs]
+    return {
+        "prompts": {
+            "count": sum(1 for _ in plan.prompts()),
+            "shared_prefix_len": len(plan.shared_prefix),
+            "longest_shared_prefix": longest_shared_prefix(plan.prompts()),
+        },
+        "warmup": warmup,
+        "runs": runs,
+    }
+
+
+# ---- the table -----------------------------------------------------------------------------
+
 TABLE = [
     ("conc", "max_concurrency"),
     ("rate", "request_rate"),
+    ("prefix", "shared_prefix_len"),  # tokens every prompt starts with (--shared-prefix-len)
     ("done", "completed"),
     ("errors", "errors"),
     ("req/s", "request_throughput"),
     ("out tok/s", "output_throughput"),
+    ("ceiling tok/s", "ceiling_tok_s"),
+    ("of ceiling", "of_ceiling"),
+    # The part of the run with the cap in flight: no ramp-up, no tail.
+    ("steady s", "steady_s"),
+    ("steady tok/s", "steady_output_throughput"),
+    ("steady of ceiling", "steady_of_ceiling"),
     ("TTFT p50", "ttft_p50"),
     ("TTFT p99", "ttft_p99"),
     ("TPOT p50", "tpot_p50"),
-    ("ITL p50", "itl_p50"),
-    ("ITL p99", "itl_p99"),
+    ("steady TPOT p50", "steady_tpot_p50"),
+    ("ITL/event p50", "itl_p50"),
+    ("ITL/event p99", "itl_p99"),
+    ("ITL/token p50", "itl_token_p50"),  # SGLang's ITL
     ("E2E p50", "e2e_p50"),
+    # What a timed figure paid for besides serving: it should be none.
+    ("captures in window", "captures_in_window"),
+    ("JIT misses in window", "jit_misses_in_window"),
+    ("cached tok in window", "cached_tokens_in_window"),
     ("KV held after", "kv_slots_held_after"),
     # Where the time went: the server's decode batch, its extend (prefill) steps and their
     # share of the run, and whether a process (or this client) was on a CPU all along.
@@ -506,70 +1046,54 @@ TABLE = [
 
 
 def table_row(run: dict[str, Any]) -> dict[str, Any]:
-    """A run's row of the printed table (latencies in ms)."""
-    sched = (run.get("timeline") or {}).get("scheduler") or {}
-    total = sched.get("extend_ms_total", 0.0) + sched.get("decode_ms_total", 0.0)
+    """A run's row of the printed table (latencies in ms); the figures an older results file
+    lacks are left empty."""
+    sched = (run.get("timeline") or {}).get("scheduler")
+    extend, decode = step_kind(sched, "extend"), step_kind(sched, "decode")
+    total = extend.get("ms_total", 0.0) + decode.get("ms_total", 0.0)
+    steady = run.get("steady") or {}
     return {
         **run,
-        "decode_bs": sched.get("decode_requests_mean"),
-        "extend_steps": sched.get("extend_steps"),
-        "extend_share": round(100 * sched.get("extend_ms_total", 0.0) / total, 1)
-        if total
-        else None,
+        "ceiling_tok_s": (run.get("runner_ceiling") or {}).get("tok_s"),
+        "steady_s": steady.get("duration_s"),
+        "steady_output_throughput": steady.get("output_throughput"),
+        "steady_of_ceiling": steady.get("of_ceiling"),
+        "steady_tpot_p50": (steady.get("tpot_ms") or {}).get("p50"),
+        "decode_bs": decode.get("requests_mean"),
+        "extend_steps": extend.get("steps"),
+        "extend_share": round(100 * extend.get("ms_total", 0.0) / total, 1) if total else None,
         **{f"cpu_{proc}": share for proc, share in (run.get("cpu_busy") or {}).items()},
         **{
-            f"{m}_{p}": run[f"{m}_ms"][p]
-            for m in ("ttft", "tpot", "itl", "e2e")
+            f"{m}_{p}": (run.get(f"{m}_ms") or {}).get(p)
+            for m in ("ttft", "tpot", "itl", "itl_token", "e2e")
             for p in ("p50", "p99")
         },
     }
 
 
-def bench(
-    base_url: str, ns: argparse.Namespace, headers: dict[str, str] | None
-) -> list[dict[str, Any]]:
-    vocab = vocab_size_of(base_url, headers)
-    counts = (
-        ns.num_prompts * len(ns.max_concurrency) if len(ns.num_prompts) == 1 else ns.num_prompts
+def notes(result: dict[str, Any]) -> list[str]:
+    """What the table's columns rest on: the prompts, the warm-up, the runner figures."""
+    prompts, warmup, runner = result["prompts"], result["warmup"], result["runner"]
+    shared = (
+        f"every one starts with the same {prompts['shared_prefix_len']} tokens"
+        if prompts["shared_prefix_len"]
+        else "every one its own"
     )
-    if ns.warmup_requests:
-        warm = random_requests(
-            ns.warmup_requests, ns.input_len, ns.output_len, vocab, seed=ns.seed + 1
-        )
-        asyncio.run(run_load(base_url, warm, headers=headers, progress=False))
-    runs = []
-    for concurrency, num in zip(ns.max_concurrency, counts, strict=True):
-        specs = random_requests(num, ns.input_len, ns.output_len, vocab, ns.range_ratio, ns.seed)
-        processes = client_processes_for_run(
-            ns.client_processes, concurrency or None, num, os.cpu_count()
-        )
-        before = server_info(base_url, headers)
-        load = client_load(
-            base_url,
-            specs,
-            processes,
-            max_concurrency=concurrency or None,
-            request_rate=ns.request_rate,
-            seed=ns.seed,
-            timeout_s=ns.timeout,
-            max_duration_s=ns.max_duration,
-            headers=headers,
-        )
-        rate = ns.request_rate if math.isfinite(ns.request_rate) else None  # None: at once
-        runs.append(
-            {
-                "max_concurrency": concurrency or None,
-                "request_rate": rate,
-                "input_len": ns.input_len,
-                "output_len": ns.output_len,
-                "range_ratio": ns.range_ratio,
-                **metrics(load.records),
-                **after_run(base_url, before, headers),
-                # The client's own share: a saturated client under-reports the server.
-                **load.figures(),
-            }
-        )
-    return runs
+    lines = [
+        f"prompts: {prompts['count']}, {shared}; the longest prefix two share: "
+        f"{prompts['longest_shared_prefix']} tokens",
+        f"warm-up: bursts of {warmup['bursts']} requests, {warmup['captures']} captures and "
+        f"{warmup['jit_misses']} JIT misses in it, {warmup['errors']} errors",
+    ]
+    if runner["rows"]:
+        batches = [r["batch_size"] for r in runner["rows"]]
+        lines.append(f"runner ceiling: from {runner['source']}, batches {batches}")
+    else:
+        lines.append(f"runner ceiling: none ({runner['error']}); no 'of ceiling' figures")
+    return lines
+
+
+# ---- the command line ----------------------------------------------------------------------
 
 
 def client_processes_arg(text: str) -> int | None:
@@ -581,7 +1105,7 @@ def client_processes_arg(text: str) -> int | None:
     return int(text)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m srt.bench.serving", description=__doc__.split("\n\n")[0]
     )
@@ -594,8 +1118,16 @@ def main(argv: list[str] | None = None) -> None:
         "--num-prompts",
         type=int,
         nargs="+",
-        default=[64],
-        help="Requests per run: one value, or one per --max-concurrency.",
+        help=f"Requests per run: one value, or one per --max-concurrency (default "
+        f"{DEFAULT_REQUESTS}, and --min-requests-per-level where more than "
+        f"{SHORT_RUN_IN_FLIGHT} can be in flight).",
+    )
+    parser.add_argument(
+        "--min-requests-per-level",
+        type=int,
+        default=1024,
+        help=f"Without --num-prompts, the fewest requests a run with more than "
+        f"{SHORT_RUN_IN_FLIGHT} in flight (a larger cap, or none) sends.",
     )
     parser.add_argument(
         "--max-concurrency",
@@ -619,7 +1151,29 @@ def main(argv: list[str] | None = None) -> None:
         help="Prompt lengths uniform in [ratio x input-len, input-len].",
     )
     parser.add_argument(
-        "--warmup-requests", type=int, default=1, help="Untimed requests before the first run."
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="Every prompt starts with the same this many tokens (default 0: no two prompts "
+        f"share more than {DISTINCT_HEAD - 1}).",
+    )
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="No untimed bursts before the first run.",
+    )
+    parser.add_argument(
+        "--warmup-output-len",
+        type=int,
+        default=16,
+        help="Tokens each warm-up request asks for (at most --output-len).",
+    )
+    parser.add_argument(
+        "--runner-results",
+        type=Path,
+        help="srt.bench.one_batch's JSON lines for the runner ceiling, of this machine, the "
+        "server's configuration and --input-len (default: without --base-url, measured "
+        "before the server starts; with it, none).",
     )
     parser.add_argument(
         "--client-processes",
@@ -641,7 +1195,8 @@ def main(argv: list[str] | None = None) -> None:
         "--ready-timeout",
         type=float,
         default=600.0,
-        help="Seconds to wait for a server this tool starts.",
+        help="Seconds to wait for a server this tool starts (and for the runner ceiling's "
+        "one_batch).",
     )
     parser.add_argument("--output-file", type=Path, help="Write the JSON results here.")
     parser.add_argument(
@@ -650,33 +1205,73 @@ def main(argv: list[str] | None = None) -> None:
         help="Keep the log of the server this starts here (default: dropped after the run).",
     )
     add_server_flags_arg(parser, "-- then the flags of the server to start (without --base-url).")
-    ns = parser.parse_args(argv)
-    flags = server_flags(ns)
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, ns: argparse.Namespace, flags: list[str]) -> None:
+    """Refuse (`parser.error`) what the bench cannot run."""
     if ns.base_url and flags:
         parser.error("give either --base-url or server flags after --, not both")
-    if min(ns.num_prompts) < 1 or ns.input_len < 1 or ns.output_len < 1:
-        parser.error("--num-prompts, --input-len and --output-len must be positive")
-    if len(ns.num_prompts) not in (1, len(ns.max_concurrency)):
+    counts = ns.num_prompts or [1]
+    if min(counts) < 1 or ns.input_len < 1 or ns.output_len < 1 or ns.warmup_output_len < 1:
+        parser.error(
+            "--num-prompts, --input-len, --output-len and --warmup-output-len must be positive"
+        )
+    if len(counts) not in (1, len(ns.max_concurrency)):
         parser.error("--num-prompts takes one value or one per --max-concurrency value")
+    if ns.min_requests_per_level < 1:
+        parser.error("--min-requests-per-level must be positive")
     if not 0 < ns.range_ratio <= 1 or ns.request_rate <= 0 or min(ns.max_concurrency) < 0:
         parser.error(
             "--range-ratio must be in (0, 1], --request-rate positive, --max-concurrency at least 0"
         )
+    shortest = max(1, math.ceil(ns.input_len * ns.range_ratio))
+    if not 0 <= ns.shared_prefix_len < shortest:
+        parser.error(
+            f"--shared-prefix-len must be at least 0 and below the shortest prompt ({shortest} "
+            "tokens), so that every prompt has a token of its own"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    flags = server_flags(ns)
+    check_args(parser, ns, flags)
+    runner = None
+    if ns.runner_results:
+        try:
+            runner = runner_ceiling.read(ns.runner_results, ns.input_len)
+        except (OSError, ValueError) as e:
+            parser.error(f"--runner-results: {e}")
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else None
     result: dict[str, Any] = {"machine": machine(), "base_url": ns.base_url, "server_flags": flags}
     if ns.base_url:
-        result["runs"] = bench(ns.base_url.rstrip("/"), ns, headers)
+        runner = runner or RunnerFigures(
+            None, error="against --base-url, the runner figures come from --runner-results"
+        )
+        result["runner"] = runner.json()
+        result.update(bench(ns.base_url.rstrip("/"), ns, headers, runner))
     else:
-        with (
-            tempfile.TemporaryDirectory() as tmp,
-            ServerProcess(
+        with tempfile.TemporaryDirectory() as tmp:
+            # Before the server, which would hold the device's memory.
+            runner = runner or runner_ceiling.measure(
+                flags,
+                sorted({1, *runs_in_flight(ns)}),
+                ns.input_len,
+                ns.output_len,
+                Path(tmp),
+                ns.ready_timeout,
+            )
+            result["runner"] = runner.json()
+            with ServerProcess(
                 flags, ns.server_log or Path(tmp) / "server.log", api_key=ns.api_key
-            ) as server,
-        ):
-            result["server_ready_s"] = round(server.wait_ready(ns.ready_timeout), 3)
-            result["runs"] = bench(server.url, ns, server.headers)
+            ) as server:
+                result["server_ready_s"] = round(server.wait_ready(ns.ready_timeout), 3)
+                result.update(bench(server.url, ns, server.headers, runner))
     if ns.output_file:
         write_json(ns.output_file, result)
+    print("\n".join(notes(result)))
     print(format_table([table_row(r) for r in result["runs"]], TABLE))
 
 
