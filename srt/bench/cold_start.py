@@ -86,7 +86,7 @@ def startup_breakdown(ready_s: float, info: dict[str, Any]) -> dict[str, float |
     }
     for name, proc in info.get("processes", {}).items():
         for key in ("ready_after_s", "total_s"):
-            if key in proc:
+            if proc.get(key) is not None:  # the launcher's own entry has no ready_after_s
                 out[f"{name}_{key}"] = proc[key]
         for part, seconds in (proc.get("breakdown") or {}).items():
             out[f"{name}_{part}"] = seconds
