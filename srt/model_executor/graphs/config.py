@@ -135,44 +135,12 @@ def resolve_graph_config(
         raise GraphConfigError(
             "--cuda-graph-config: expected an object with keys 'prefill' and/or 'decode'"
         )
-    configs = {}
-    for phase in Phase:
-        from_json = overrides.get(phase.value, {})
-        if not isinstance(from_json, dict):
-            raise GraphConfigError(f"--cuda-graph-config: '{phase.value}' must be an object")
-        unknown = set(from_json) - {"backend", "bs", "max_bs", "tc_compiler"}
-        if unknown:
-            raise GraphConfigError(
-                f"--cuda-graph-config: unknown key(s) {sorted(unknown)} for '{phase.value}'"
-            )
-        from_flags = {
-            "backend": getattr(args, f"cuda_graph_backend_{phase.value}"),
-            "bs": getattr(args, f"cuda_graph_bs_{phase.value}"),
-            "max_bs": getattr(args, f"cuda_graph_max_bs_{phase.value}"),
-            "tc_compiler": args.cuda_graph_tc_compiler,
-        }
-        if args.disable_cuda_graph:
-            from_flags["backend"] = Backend.DISABLED
-        raw = {k: v for k, v in from_flags.items() if v is not None}
-        raw.update(from_json)
-        if "tc_compiler" not in from_json and not _flag_compiler_applies(
-            raw.get("backend", _default_backend(phase, device, decode_graph_capable)), args
-        ):
-            # One --cuda-graph-tc-compiler serves whichever phases can use it.
-            raw.pop("tc_compiler", None)
-
-        def where(key: str, phase: Phase = phase, from_json: dict = from_json) -> str:
-            if key in from_json:
-                return f"--cuda-graph-config {phase.value}.{key}"
-            return "--cuda-graph-tc-compiler" if key == "tc_compiler" else _flag(phase, key)
-
-        config = _phase_config(phase, raw, device, decode_graph_capable, where)
-        if config.backend is Backend.FULL and config.tc_compiler and args.enable_torch_compile:
-            raise GraphConfigError(
-                f"{where('tc_compiler')}: a full phase with a tc compiler captures the compiled "
-                "general graph; --enable-torch-compile compiles each bucket instead: use one"
-            )
-        configs[phase] = config
+    configs = {
+        phase: _resolve_phase(
+            phase, overrides.get(phase.value, {}), args, device, decode_graph_capable
+        )
+        for phase in Phase
+    }
     if args.cuda_graph_tc_compiler is not None and not any(
         c.tc_compiler is not None for c in configs.values()
     ):
@@ -183,6 +151,47 @@ def resolve_graph_config(
             args.cuda_graph_tc_compiler,
         )
     return configs
+
+
+def _resolve_phase(
+    phase: Phase, from_json: Any, args: ServerArgs, device: str, decode_graph_capable: bool
+) -> PhaseConfig:
+    """One phase's config: its `--cuda-graph-config` entry over its flags over the defaults."""
+    if not isinstance(from_json, dict):
+        raise GraphConfigError(f"--cuda-graph-config: '{phase.value}' must be an object")
+    unknown = set(from_json) - {"backend", "bs", "max_bs", "tc_compiler"}
+    if unknown:
+        raise GraphConfigError(
+            f"--cuda-graph-config: unknown key(s) {sorted(unknown)} for '{phase.value}'"
+        )
+    from_flags = {
+        "backend": getattr(args, f"cuda_graph_backend_{phase.value}"),
+        "bs": getattr(args, f"cuda_graph_bs_{phase.value}"),
+        "max_bs": getattr(args, f"cuda_graph_max_bs_{phase.value}"),
+        "tc_compiler": args.cuda_graph_tc_compiler,
+    }
+    if args.disable_cuda_graph:
+        from_flags["backend"] = Backend.DISABLED
+    raw = {k: v for k, v in from_flags.items() if v is not None}
+    raw.update(from_json)
+    if "tc_compiler" not in from_json and not _flag_compiler_applies(
+        raw.get("backend", _default_backend(phase, device, decode_graph_capable)), args
+    ):
+        # One --cuda-graph-tc-compiler serves whichever phases can use it.
+        raw.pop("tc_compiler", None)
+
+    def where(key: str) -> str:
+        if key in from_json:
+            return f"--cuda-graph-config {phase.value}.{key}"
+        return "--cuda-graph-tc-compiler" if key == "tc_compiler" else _flag(phase, key)
+
+    config = _phase_config(phase, raw, device, decode_graph_capable, where)
+    if config.backend is Backend.FULL and config.tc_compiler and args.enable_torch_compile:
+        raise GraphConfigError(
+            f"{where('tc_compiler')}: a full phase with a tc compiler captures the compiled "
+            "general graph; --enable-torch-compile compiles each bucket instead: use one"
+        )
+    return config
 
 
 def _default_backend(phase: Phase, device: str, decode_graph_capable: bool) -> Backend:

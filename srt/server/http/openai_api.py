@@ -28,19 +28,32 @@ from srt.server.seq_outputs import SeqResult, SeqUpdate
 from srt.server.tokenizer_manager import TokenizerManager
 
 
-def openai_router(manager: TokenizerManager) -> APIRouter:
-    router = APIRouter()
+class OpenAIRoutes:
+    """The handlers of one server's OpenAI endpoints."""
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != manager.model_name:
+    def __init__(self, manager: TokenizerManager) -> None:
+        self.manager = manager
+
+    def check_model(self, name: str | None) -> None:
+        served = self.manager.model_name
+        if name is not None and name != served:
             raise InvalidRequest(
-                f"the model {name!r} does not exist; this server serves {manager.model_name!r}",
+                f"the model {name!r} does not exist; this server serves {served!r}",
                 param="model",
                 code="model_not_found",
             )
 
-    @router.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    def head(self, prefix: str, kind: str) -> dict[str, Any]:
+        """What every response object and stream chunk of one request starts with."""
+        return {
+            "id": new_id(prefix),
+            "object": kind,
+            "created": now(),
+            "model": self.manager.model_name,
+        }
+
+    async def models(self) -> dict[str, Any]:
+        manager = self.manager
         manager.check_ready()  # its max_model_len is known once the runner is
         return {
             "object": "list",
@@ -57,11 +70,13 @@ def openai_router(manager: TokenizerManager) -> APIRouter:
 
     # ---- /v1/completions -----------------------------------------------------------------
 
-    def completion_choice(u: SeqUpdate | SeqResult, top: int | None, offset: int) -> dict[str, Any]:
+    def completion_choice(
+        self, u: SeqUpdate | SeqResult, top: int | None, offset: int
+    ) -> dict[str, Any]:
         lp = None
         if top is not None:
             lp = completion_logprobs(
-                u.token_ids, u.logprobs, u.top_logprobs, manager.token_text, offset
+                u.token_ids, u.logprobs, u.top_logprobs, self.manager.token_text, offset
             )
         return {
             "index": u.index,
@@ -71,136 +86,112 @@ def openai_router(manager: TokenizerManager) -> APIRouter:
         }
 
     async def completion_events(
-        seqs: list[Seq], prompt_tokens: int, req: CompletionRequest
+        self, seqs: list[Seq], prompt_tokens: int, req: CompletionRequest
     ) -> AsyncGenerator[dict[str, Any], None]:
-        head = {
-            "id": new_id("cmpl"),
-            "object": "text_completion",
-            "created": now(),
-            "model": manager.model_name,
-        }
+        head = self.head("cmpl", "text_completion")
         offsets = [0] * len(seqs)
         completion_tokens = [0] * len(seqs)
-        async with aclosing(manager.generate(seqs)) as updates:
+        async with aclosing(self.manager.generate(seqs)) as updates:
             async for u in updates:
                 completion_tokens[u.index] = u.completion_tokens
                 if not (u.text or u.finish_reason or (req.logprobs is not None and u.token_ids)):
                     continue  # text held back (a partial character or a possible stop string)
-                choice = completion_choice(u, req.logprobs, offsets[u.index])
+                choice = self.completion_choice(u, req.logprobs, offsets[u.index])
                 if choice["logprobs"]:
                     offsets[u.index] += sum(map(len, choice["logprobs"]["tokens"]))
                 yield {**head, "choices": [choice], "usage": None}
         if req.include_usage:
             yield {**head, "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens))}
 
-    @router.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Any:
-        check_model(req.model)
+    async def completions(self, req: CompletionRequest, request: Request) -> Any:
+        self.check_model(req.model)
         prompts, params = req.prompts(), req.sampling_params()
-        seqs = await manager.prepare(
+        seqs = await self.manager.prepare(
             lambda frontend: frontend.seqs(
                 prompts, [params] * len(prompts), req.n, COMPLETION_DEFAULT_MAX_TOKENS, req.names
             )
         )
         prompt_tokens = sum(len(s.input_ids) for s in seqs[:: req.n])
         if req.stream:
-            return EventStream(sse(completion_events(seqs, prompt_tokens, req)))
-        results = await unless_disconnected(request, manager.generate_all(seqs))
+            return EventStream(sse(self.completion_events(seqs, prompt_tokens, req)))
+        results = await unless_disconnected(request, self.manager.generate_all(seqs))
         if isinstance(results, Response):
             return results
         return {
-            "id": new_id("cmpl"),
-            "object": "text_completion",
-            "created": now(),
-            "model": manager.model_name,
-            "choices": [completion_choice(r, req.logprobs, 0) for r in results],
+            **self.head("cmpl", "text_completion"),
+            "choices": [self.completion_choice(r, req.logprobs, 0) for r in results],
             "usage": usage(prompt_tokens, sum(r.completion_tokens for r in results)),
         }
 
     # ---- /v1/chat/completions ------------------------------------------------------------
 
-    def chat_lp(u: SeqUpdate | SeqResult, top: int | None) -> dict[str, Any] | None:
+    def chat_lp(self, u: SeqUpdate | SeqResult, top: int | None) -> dict[str, Any] | None:
         if top is None:
             return None
-        return chat_logprobs(u.token_ids, u.logprobs, u.top_logprobs, manager.token_text)
+        return chat_logprobs(u.token_ids, u.logprobs, u.top_logprobs, self.manager.token_text)
 
     async def chat_events(
-        seqs: list[Seq], req: ChatCompletionRequest
+        self, seqs: list[Seq], req: ChatCompletionRequest
     ) -> AsyncGenerator[dict[str, Any], None]:
-        head = {
-            "id": new_id("chatcmpl"),
-            "object": "chat.completion.chunk",
-            "created": now(),
-            "model": manager.model_name,
-        }
+        head = self.head("chatcmpl", "chat.completion.chunk")
         top = req.top_logprobs_num
         for i in range(len(seqs)):
-            yield {
-                **head,
-                "choices": [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-                "usage": None,
-            }
+            role = {"role": "assistant", "content": ""}
+            choice = {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+            yield {**head, "choices": [choice], "usage": None}
         completion_tokens = [0] * len(seqs)
-        async with aclosing(manager.generate(seqs)) as updates:
+        async with aclosing(self.manager.generate(seqs)) as updates:
             async for u in updates:
                 completion_tokens[u.index] = u.completion_tokens
                 if not (u.text or u.finish_reason or (top is not None and u.token_ids)):
                     continue
-                yield {
-                    **head,
-                    "usage": None,
-                    "choices": [
-                        {
-                            "index": u.index,
-                            "delta": {"content": u.text} if u.text else {},
-                            "logprobs": chat_lp(u, top),
-                            "finish_reason": finish_reason(u.finish_reason),
-                        }
-                    ],
+                choice = {
+                    "index": u.index,
+                    "delta": {"content": u.text} if u.text else {},
+                    "logprobs": self.chat_lp(u, top),
+                    "finish_reason": finish_reason(u.finish_reason),
                 }
+                yield {**head, "usage": None, "choices": [choice]}
         if req.include_usage:
             prompt_tokens = len(seqs[0].input_ids)
             yield {**head, "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens))}
 
-    @router.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
-        check_model(req.model)
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Any:
+        self.check_model(req.model)
         messages = [m.for_template() for m in req.messages]
         params = req.sampling_params()
         # Without max_tokens, a chat may fill what the context leaves.
-        seqs = await manager.prepare(
+        seqs = await self.manager.prepare(
             lambda frontend: frontend.seqs(
                 [frontend.chat_ids(messages)], [params], req.n, None, req.names
             )
         )
         if req.stream:
-            return EventStream(sse(chat_events(seqs, req)))
-        results = await unless_disconnected(request, manager.generate_all(seqs))
+            return EventStream(sse(self.chat_events(seqs, req)))
+        results = await unless_disconnected(request, self.manager.generate_all(seqs))
         if isinstance(results, Response):
             return results
         top = req.top_logprobs_num
+        choices = [
+            {
+                "index": r.index,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": self.chat_lp(r, top),
+                "finish_reason": finish_reason(r.finish_reason),
+            }
+            for r in results
+        ]
         return {
-            "id": new_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": now(),
-            "model": manager.model_name,
-            "choices": [
-                {
-                    "index": r.index,
-                    "message": {"role": "assistant", "content": r.text},
-                    "logprobs": chat_lp(r, top),
-                    "finish_reason": finish_reason(r.finish_reason),
-                }
-                for r in results
-            ],
+            **self.head("chatcmpl", "chat.completion"),
+            "choices": choices,
             "usage": usage(len(seqs[0].input_ids), sum(r.completion_tokens for r in results)),
         }
 
+
+def openai_router(manager: TokenizerManager) -> APIRouter:
+    routes = OpenAIRoutes(manager)
+    router = APIRouter()
+    router.add_api_route("/v1/models", routes.models, methods=["GET"])
+    router.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    router.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     return router
