@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from graph_emulation import EmulatedCapturer
 
+import srt.model_executor.graphs.pool as graph_pool
 from srt import Engine
 from srt.ipc.messages import BatchPlan, BatchResult, GenerateReq
 from srt.sampling_params import SamplingParams
@@ -270,3 +272,41 @@ def test_launching_a_decode_step_never_waits_for_the_device(tiny_llama: Path, de
             pending.wait()
             pending = launched
         pending.wait()
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["separate", "mixed"])
+@pytest.mark.parametrize("prefill", ["disabled", "full", "breakable"])
+def test_captured_steps_give_the_ids_of_eager_steps(
+    engine: Engine,
+    tiny_llama: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    prefill: str,
+    mixed: bool,
+) -> None:
+    """The same traffic, overlapped, through captured graphs (CUDA capture emulated on the
+    CPU): every step of a captured bucket is uploaded once into its static buffer, padded, its
+    table writes and its ids from the previous step applied on the device, with prefill
+    captured or not and decodes riding along in prefill steps or not."""
+    jobs, eos_token = traffic(engine)
+    with eos_and_mixing(engine, eos_token, mixed=mixed):
+        eager = drive(engine, jobs, overlap=True)
+    monkeypatch.setattr(graph_pool, "default_capturer", lambda device: EmulatedCapturer())
+    with Engine(
+        model_path=str(tiny_llama),
+        device="cpu",
+        dtype="float32",
+        chunked_prefill_size=8,
+        max_prefill_tokens=16,
+        compile_cache_dir=str(tmp_path / "cache"),
+        cuda_graph_backend_decode="full",
+        cuda_graph_backend_prefill=prefill,
+        cuda_graph_bs_decode=[1, 2, 4, 8],
+        cuda_graph_bs_prefill=[4, 8, 16],
+    ) as captured:
+        with eos_and_mixing(captured, eos_token, mixed=mixed):
+            graphed = drive(captured, jobs, overlap=True)
+        graphs = captured.get_server_info()["graphs"]
+    assert graphs["decode"]["replays"] > 0
+    assert (graphs["prefill"]["replays"] > 0) == (prefill != "disabled")
+    assert_same_streams(graphed, eager)

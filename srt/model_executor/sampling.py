@@ -18,8 +18,9 @@ from srt.model_executor.graphs.graph_runner import GraphRunner
 
 class PendingResult:
     """A launched step's sampled ids (and logprobs) on their way to the host: copied behind
-    the step, into pinned memory, with an event that says when they are there (on the CPU
-    the copy is the tensor itself, done at once)."""
+    the step, into pinned memory, with an event that says when they are there (on the CPU a
+    copy made at once). A copy either way: the ids may be a view of a graph's static output,
+    which the next step, launched before this result is read, writes over."""
 
     def __init__(self, tensors: list[torch.Tensor], step: int) -> None:
         self.step = step
@@ -30,7 +31,7 @@ class PendingResult:
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host = tensors
+            self.host = [t.clone() for t in tensors]
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()

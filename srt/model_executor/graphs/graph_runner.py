@@ -129,14 +129,18 @@ class GraphRunner:
         if self.capture is None or self.static is None or bucket is None:
             return self.run_uncaptured(plan, prev_sampled)
         record = self.records[bucket]
+        padded = None
         if record.state is BucketState.UNSEEN:
             if self.env.cache is not None:  # the next start can prewarm it (manifest mode)
                 self.env.cache.manifest.record(self.phase.value, bucket)
-            self.specialise(bucket, plan, prev_sampled)
+            # Replayed on the inputs it was captured with: loading the plan again would take
+            # its ids from `prev_sampled` again, which the capture may have written over.
+            padded = self.specialise(bucket, plan, prev_sampled)
         if record.state is BucketState.SKIPPED:
             return self.run_uncaptured(plan, prev_sampled)
         record.replays += 1
-        padded = self.load(plan, bucket, prev_sampled)
+        if padded is None:
+            padded = self.load(plan, bucket, prev_sampled)
         logits = self.capture.replay(self.graphs[bucket], padded, bucket)
         self.replayed = True
         return padded, logits
@@ -184,9 +188,10 @@ class GraphRunner:
 
     def specialise(
         self, bucket: int, plan: BatchPlan, prev_sampled: torch.Tensor | None = None
-    ) -> None:
+    ) -> ForwardBatch:
         """Warm up and capture `bucket` with `plan` (a live step of that bucket, or a dummy),
-        padded into the static buffers, the same way for every capture kind."""
+        padded into the static buffers, the same way for every capture kind; returns the
+        padded batch (its inputs stay in the buffers: a replay can follow at once)."""
         capture = self.capture
         assert capture is not None, "only capturing runners"
         padded = self.load(plan, bucket, prev_sampled)
@@ -199,11 +204,12 @@ class GraphRunner:
         record = self.records[bucket]
         if captured is None:
             record.state = BucketState.SKIPPED
-            return
+            return padded
         self.graphs[bucket] = captured.result
         record.state = BucketState.CAPTURED
         record.capture_ms = round(captured.ms, 3)
         record.pool_growth = captured.pool_growth
+        return padded
 
     def info(self) -> PhaseGraphsInfo:
         backend = self.config.backend.value
