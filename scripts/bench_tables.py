@@ -34,6 +34,8 @@ def runner_tables(rows: list[dict[str, Any]]) -> str:
         for r in mine:  # the same steps overlapped as the server runs them
             if r.get("decode_ms_overlapped"):
                 grid[f"{path_label(r)}, overlapped"][r["batch_size"]] = r["decode_ms_overlapped"]
+            if r.get("launch_host_ms"):  # the host's part of each overlapped step
+                grid[f"{path_label(r)}, launch host ms"][r["batch_size"]] = r["launch_host_ms"]
         floor = grid.get("bandwidth-floor", {})
         table = [
             {

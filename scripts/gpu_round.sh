@@ -6,21 +6,23 @@
 #   environment.txt                 GPU, driver, Python, torch, CUDA, triton
 #   runner-SHAPE.jsonl              srt.bench.one_batch (every decode path) + srt.bench.hf_baseline
 #   cold_start-SHAPE.json / .png    srt.bench.cold_start on a random checkpoint written to disk
-#   serving-SHAPE-VARIANT.json      srt.bench.serving per variant (full, no-overlap, nographs, ...)
+#   serving-SHAPE-VARIANT-INxOUT.json  srt.bench.serving per variant and lengths
 # and the tables (scripts/bench_tables.py) are printed last.
 #
 # Usage: scripts/gpu_round.sh STAGE...   with STAGE one of
-#   tests                pytest -m gpu
+#   tests                pytest -m gpu (of TESTS_PATHS, default tests)
 #   runner-SHAPE         one_batch for disabled, full, full --enable-torch-compile, full over
 #                        Inductor pieces, breakable, tc_piecewise eager and inductor, full
 #                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF)
 #                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists)
 #   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list)
 #   serving-SHAPE        serving at concurrency 1, 32, 64, 128 (64 requests at 1, 1,024 at the
-#                        others), each run against the runner ceiling one_batch measures first
-#                        with the same flags: decode full (lazy) with and without overlap
-#                        scheduling, nographs, prefill captured too (prefill-full), and that
-#                        with mixed steps (SERVING_VARIANTS overrides)
+#                        others; SERVING_CONCURRENCY overrides), each run against the runner
+#                        ceiling one_batch measures first with the same flags, for 128 prompt
+#                        tokens and 256 new, and 1,024 and 128 (SERVING_LENS="IN:OUT ..."):
+#                        the defaults (full), overlap one step deep (depth1), no overlap,
+#                        nographs, prefill captured (prefill-full) or not (prefill-off), and
+#                        captured with mixed steps (mixed); SERVING_VARIANTS overrides
 # SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first.
 # Exit status: non-zero if any step failed (the others still run).
 set -uo pipefail
@@ -118,32 +120,39 @@ cold_start() {
     --output-file "$out/cold_start-$shape.json" --plot "$out/cold_start-$shape.png"
 }
 
-serving() {  # decode full with overlap (the default), without it, and with no graphs
-  local shape=$1 variant
+serving() {  # decode full with overlap (the default), and the variants that move it
+  local shape=$1 variant lens
   checkpoint "$shape"
-  for variant in ${SERVING_VARIANTS:-full no-overlap nographs prefill-full mixed}; do
-    local flags=(--cuda-graph-backend-decode full)
-    [ $variant = no-overlap ] && flags+=(--disable-overlap-schedule)
-    [ $variant = nographs ] && flags=(--disable-cuda-graph)
-    # Prefill captured per token bucket too; and decodes riding along in prefill steps.
-    [ $variant = prefill-full ] && flags+=(--cuda-graph-backend-prefill full)
-    [ $variant = mixed ] && flags+=(--cuda-graph-backend-prefill full --enable-mixed-chunk)
-    # The bench's request counts (1,024 where more than 16 are in flight), its warm-up
-    # bursts, and one_batch with the same flags for the ceiling before the server starts.
-    step "serving-$shape-$variant" python3 -m srt.bench.serving \
-      --max-concurrency 1 32 64 128 --input-len 128 --output-len 64 \
-      --output-file "$out/serving-$shape-$variant.json" \
-      --server-log "$work/logs/server-$shape-$variant.log" -- --model-path "$CKPT" "${flags[@]}"
-    # A request that failed: what the server said about it.
-    grep -n -i -B2 -A8 "error\|traceback" "$work/logs/server-$shape-$variant.log" | tail -n 40
+  for lens in ${SERVING_LENS:-128:256 1024:128}; do
+    local in_len=${lens%:*} out_len=${lens#*:}
+    for variant in ${SERVING_VARIANTS:-full depth1 no-overlap nographs prefill-full mixed}; do
+      local flags=(--cuda-graph-backend-decode full)
+      [ $variant = depth1 ] && flags+=(--overlap-depth 1)  # one step ahead, not two
+      [ $variant = no-overlap ] && flags+=(--disable-overlap-schedule)
+      [ $variant = nographs ] && flags=(--disable-cuda-graph)
+      # Prefill captured per token bucket too; and decodes riding along in prefill steps.
+      [ $variant = prefill-full ] && flags+=(--cuda-graph-backend-prefill full)
+      [ $variant = prefill-off ] && flags+=(--cuda-graph-backend-prefill disabled)
+      [ $variant = mixed ] && flags+=(--cuda-graph-backend-prefill full --enable-mixed-chunk)
+      local name="serving-$shape-$variant-${in_len}x${out_len}"
+      # The bench's request counts (1,024 where more than 16 are in flight), its warm-up
+      # bursts, and one_batch with the same flags for the ceiling before the server starts.
+      step "$name" python3 -m srt.bench.serving \
+        --max-concurrency ${SERVING_CONCURRENCY:-1 32 64 128} --input-len "$in_len" \
+        --output-len "$out_len" --output-file "$out/$name.json" \
+        --server-log "$work/logs/server-$name.log" -- --model-path "$CKPT" "${flags[@]}"
+      # A request that failed: what the server said about it.
+      grep -n -i -B2 -A8 "error\|traceback" "$work/logs/server-$name.log" | tail -n 40
+    done
   done
 }
 
 for stage in "$@"; do
   case $stage in
     tests)  # its whole log comes back: the failures are what the next round fixes
+      # shellcheck disable=SC2086
       step tests timeout "${TESTS_TIMEOUT:-1200}" python3 -m pytest -m gpu -q -rs \
-        -p no:cacheprovider tests
+        -p no:cacheprovider ${TESTS_PATHS:-tests}
       cp "$work/logs/tests.log" "$out/tests.log" ;;
     runner-*) runner "${stage#runner-}" ;;
     cold_start-*) cold_start "${stage#cold_start-}" ;;

@@ -73,6 +73,9 @@ class ServerArgs:
     disable_overlap_schedule: bool = _opt(
         False, "Plan each step only once the previous step's ids are back (no overlap)."
     )
+    overlap_depth: int = _opt(
+        2, "With overlap: steps launched ahead of the one whose result is processed."
+    )
     enable_mixed_chunk: bool = _opt(
         False, "Decode the running requests inside prefill steps (one step for both)."
     )
@@ -179,6 +182,7 @@ class ServerArgs:
             "torch_compile_max_bs",
             "max_request_bytes",
             "tp_size",
+            "overlap_depth",
         ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -45,7 +45,7 @@ class FakeRunner:
         self.kv = np.full((num_slots, 2), -1, dtype=np.int64)  # slot -> (token, position)
         self.table = np.zeros((rows, context_length), dtype=np.int64)
         self.plans: list[BatchPlan] = []
-        self.last_sampled = np.zeros(0, np.int64)
+        self.latest_ids = np.zeros(rows, np.int64)  # each table row's latest sampled id
         # Per step in flight: the KV slots it reads and writes, and the table entries it reads.
         self.in_flight: dict[int, tuple[set[int], set[tuple[int, int]]]] = {}
 
@@ -62,9 +62,9 @@ class FakeRunner:
             assert not entries & writes, "table entry of a step in flight"
         self.table[plan.table_rows, plan.table_cols] = plan.table_slots
         ids = plan.input_ids.astype(np.int64)
-        if plan.input_from_prev is not None:
-            src = plan.input_from_prev
-            ids = np.where(src >= 0, self.last_sampled[np.maximum(src, 0)], ids)
+        if plan.input_from_row is not None:
+            src = plan.input_from_row
+            ids = np.where(src >= 0, self.latest_ids[np.maximum(src, 0)], ids)
         self.kv[plan.out_cache_loc] = np.stack([ids, plan.positions], axis=1)
         out = []
         slots, entries = set(plan.out_cache_loc.tolist()), set()
@@ -77,8 +77,9 @@ class FakeRunner:
             kv = self.kv[read]
             assert (kv[:, 1] == np.arange(prefix + extend)).all(), "KV read at wrong positions"
             out.append(next_token(kv[:, 0]))
-        self.last_sampled = np.array(out, dtype=np.int64)
-        result = BatchResult(next_token_ids=self.last_sampled, step=plan.step)
+        sampled = np.array(out, dtype=np.int64)
+        self.latest_ids[plan.req_pool_indices] = sampled
+        result = BatchResult(next_token_ids=sampled, step=plan.step)
         self.in_flight[plan.step] = (slots, entries)
 
         def wait() -> BatchResult:
@@ -102,9 +103,10 @@ def make_scheduler(
     return sched, FakeRunner(num_slots, args.max_running_requests, context_length)
 
 
-def step(sched: Scheduler, runner: FakeRunner, overlap: bool) -> list[TokenOutput]:
-    """One step of the scheduler loop, overlapped or not."""
+def step(sched: Scheduler, runner: FakeRunner, overlap: int) -> list[TokenOutput]:
+    """One step of the scheduler loop, overlapped `overlap` steps deep (0: not at all)."""
     if overlap:
+        sched.overlap_depth = overlap
         return sched.step_overlapped(runner.launch) or []
     return sched.step(runner.forward)
 
@@ -113,7 +115,7 @@ def run_all(
     sched: Scheduler,
     runner: FakeRunner,
     reqs: dict[str, tuple[list[int], dict]],
-    overlap: bool = False,
+    overlap: int = 0,
 ) -> dict[str, dict]:
     """Submit every request, step until all finish; rid -> {ids, reason, matched, cached}."""
     for rid, (prompt, params) in reqs.items():

@@ -48,9 +48,11 @@ def engine(tiny_llama: Path) -> Iterator[Engine]:
         yield eng
 
 
-def drive(engine: Engine, jobs: dict[str, Job], overlap: bool) -> dict[str, Stream]:
-    """Run `jobs` through the engine's scheduler and runner, as the scheduler process does."""
+def drive(engine: Engine, jobs: dict[str, Job], overlap: int) -> dict[str, Stream]:
+    """Run `jobs` through the engine's scheduler and runner, as the scheduler process does,
+    with `overlap` steps launched ahead of the one processed (0: each step in turn)."""
     sched, runner = engine.scheduler, engine.runner
+    sched.overlap_depth = max(overlap, 1)
     plans: list[BatchPlan] = []
 
     def launch(plan: BatchPlan) -> Callable[[], BatchResult]:
@@ -88,9 +90,9 @@ def drive(engine: Engine, jobs: dict[str, Job], overlap: bool) -> dict[str, Stre
     assert all(s.reason is not None for s in streams.values())
     assert not sched.has_work and not sched.reqs
     if overlap:
-        assert any(p.input_from_prev is not None for p in plans), "no decode took a device id"
+        assert any(p.input_from_row is not None for p in plans), "no decode took a device id"
     else:
-        assert all(p.input_from_prev is None for p in plans)
+        assert all(p.input_from_row is None for p in plans)
     # Every slot back: held by no request, and free once the prefix cache is flushed.
     assert sched.kv.rows.available == sched.args.max_running_requests
     assert sched.flush_cache()
@@ -122,7 +124,7 @@ def traffic(engine: Engine) -> tuple[dict[str, Job], int]:
             "stop": Job(prompts[2], {**greedy, "max_new_tokens": 12}),
             "eos": Job(prompts[3], {**greedy, "max_new_tokens": 12}),
         },
-        overlap=False,
+        overlap=0,
     )
     stop_token, eos_token = probe["stop"].ids[4], probe["eos"].ids[6]
     jobs = {
@@ -186,11 +188,14 @@ def assert_same_streams(got: dict[str, Stream], want: dict[str, Stream]) -> None
         ], rid
 
 
-def test_overlap_gives_the_ids_of_one_step_at_a_time(engine: Engine) -> None:
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_overlap_gives_the_ids_of_one_step_at_a_time(engine: Engine, depth: int) -> None:
+    """Steps launched 1-3 deep ahead of the result processed: the ids of planning each step
+    after the last one's result (inputs from the rows' latest ids on the device)."""
     jobs, eos_token = traffic(engine)
     with eos_and_mixing(engine, eos_token):
-        sync = drive(engine, jobs, overlap=False)
-        overlapped = drive(engine, jobs, overlap=True)
+        sync = drive(engine, jobs, overlap=0)
+        overlapped = drive(engine, jobs, overlap=depth)
     assert_same_streams(overlapped, sync)
     stop_token = jobs["stop"].params["stop_token_ids"][0]
     assert sync["stop"].reason == "stop" and sync["stop"].ids[-1] == stop_token
@@ -202,13 +207,13 @@ def test_overlap_gives_the_ids_of_one_step_at_a_time(engine: Engine) -> None:
     assert len(sync["logprobs"].logprobs) == 6 and len(sync["logprobs"].top[0]) == 3
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_mixed_steps_give_the_ids_of_separate_steps(engine: Engine, overlap: bool) -> None:
+@pytest.mark.parametrize("overlap", [0, 2], ids=["sync", "overlap"])
+def test_mixed_steps_give_the_ids_of_separate_steps(engine: Engine, overlap: int) -> None:
     """Decodes riding along in prefill steps (`--enable-mixed-chunk`), their input ids from
     the host or, overlapped, from the device: the same streams as prefill and decode apart."""
     jobs, eos_token = traffic(engine)
     with eos_and_mixing(engine, eos_token):
-        separate = drive(engine, jobs, overlap=False)
+        separate = drive(engine, jobs, overlap=0)
     before = engine.scheduler.info().mixed_decode_tokens
     with eos_and_mixing(engine, eos_token, mixed=True):
         mixed = drive(engine, jobs, overlap=overlap)
@@ -232,8 +237,8 @@ def test_overlap_on_cuda_gives_the_same_ids(tiny_llama: Path) -> None:
         for i in range(6)
     }
     with Engine(model_path=str(tiny_llama), device="cuda", dtype="float32") as eng:
-        sync = drive(eng, jobs, overlap=False)
-        overlapped = drive(eng, jobs, overlap=True)
+        sync = drive(eng, jobs, overlap=0)
+        overlapped = drive(eng, jobs, overlap=2)
     assert {r: s.ids for r, s in overlapped.items()} == {r: s.ids for r, s in sync.items()}
 
 
@@ -290,7 +295,7 @@ def test_captured_steps_give_the_ids_of_eager_steps(
     captured or not and decodes riding along in prefill steps or not."""
     jobs, eos_token = traffic(engine)
     with eos_and_mixing(engine, eos_token, mixed=mixed):
-        eager = drive(engine, jobs, overlap=True)
+        eager = drive(engine, jobs, overlap=2)
     monkeypatch.setattr(graph_pool, "default_capturer", lambda device: EmulatedCapturer())
     with Engine(
         model_path=str(tiny_llama),
@@ -305,7 +310,7 @@ def test_captured_steps_give_the_ids_of_eager_steps(
         cuda_graph_bs_prefill=[4, 8, 16],
     ) as captured:
         with eos_and_mixing(captured, eos_token, mixed=mixed):
-            graphed = drive(captured, jobs, overlap=True)
+            graphed = drive(captured, jobs, overlap=2)
         graphs = captured.get_server_info()["graphs"]
     assert graphs["decode"]["replays"] > 0
     assert (graphs["prefill"]["replays"] > 0) == (prefill != "disabled")

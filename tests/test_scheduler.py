@@ -19,10 +19,10 @@ from srt.sampling_params import SamplingParams
 from srt.scheduler.scheduler_process import SchedulerLoop
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [0, 1, 2])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("chunk", [4, 2048])
-def test_outputs_correct_under_kv_pressure(prefix_caching: bool, chunk: int, overlap: bool) -> None:
+def test_outputs_correct_under_kv_pressure(prefix_caching: bool, chunk: int, overlap: int) -> None:
     """A KV pool far smaller than the workload queues requests; all finish, all correct."""
     reqs = shared_prefix_workload(40, seed=1)
     sched, runner = make_scheduler(
@@ -75,8 +75,8 @@ def test_prefill_and_decode_are_separate_steps() -> None:
     assert info.prefill_steps == 1 and info.decode_steps == 2
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_stop_conditions(overlap: bool) -> None:
+@pytest.mark.parametrize("overlap", [0, 1, 2])
+def test_stop_conditions(overlap: int) -> None:
     prompt = [3, 1, 4, 1, 5]
     full = reference(prompt, 12)
     sched, runner = make_scheduler(enable_prefix_caching=False)
@@ -157,9 +157,9 @@ def test_duplicate_rid_rejected() -> None:
         sched.add_request(GenerateReq("a", [1], SamplingParams(max_new_tokens=1)))
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [0, 1, 2])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_abort_frees_everything(prefix_caching: bool, overlap: bool) -> None:
+def test_abort_frees_everything(prefix_caching: bool, overlap: int) -> None:
     sched, runner = make_scheduler(chunked_prefill_size=4, enable_prefix_caching=prefix_caching)
     for rid in "abc":
         sched.add_request(GenerateReq(rid, list(range(1, 11)), SamplingParams(max_new_tokens=8)))
@@ -175,9 +175,9 @@ def test_abort_frees_everything(prefix_caching: bool, overlap: bool) -> None:
         out = sched.abort(rid)
         assert out is not None and out.finished_reason == "abort"
     assert sched.abort("nope") is None
-    if overlap:  # the request of the step in flight waits for it to free its slots
-        assert sched.in_flight is not None
-        assert set(sched.reqs) == {r.rid for r in sched.in_flight[0].reqs}
+    if overlap:  # the requests of the steps in flight wait for them to free their slots
+        assert sched.in_flight
+        assert set(sched.reqs) == {r.rid for step, _ in sched.in_flight for r in step.reqs}
         assert not sched.flush_cache()
         assert sched.drain() == []  # its tokens are dropped
     assert_no_leak(sched)
@@ -185,28 +185,30 @@ def test_abort_frees_everything(prefix_caching: bool, overlap: bool) -> None:
     assert sched.kv.allocator.available == sched.kv.allocator.capacity
 
 
-def test_overlap_runs_one_extra_step_and_drops_its_token() -> None:
-    """A stop token is only seen once its step is back, when the next step (with the request
-    in it) is already running: that step's token is dropped, its slot freed with the rest."""
+def test_overlap_runs_extra_steps_and_drops_their_tokens() -> None:
+    """A stop token is only seen once its step is back, when the next steps (with the request
+    in them, as many as the overlap depth) are already running: their tokens are dropped,
+    their slots freed with the rest."""
     prompt = [3, 1, 4, 1, 5]
     full = reference(prompt, 12)
     stop_at = full.index(full[5])
-    tokens: dict[bool, list[int]] = {}
-    steps: dict[bool, int] = {}
-    for overlap in (False, True):
+    tokens: dict[int, list[int]] = {}
+    steps: dict[int, int] = {}
+    for overlap in (0, 1, 2, 3):
         sched, runner = make_scheduler(enable_prefix_caching=False)
         params = {"max_new_tokens": 12, "ignore_eos": True, "stop_token_ids": [full[5]]}
         done = run_all(sched, runner, {"r": (prompt, params)}, overlap)
         tokens[overlap], steps[overlap] = done["r"]["ids"], len(runner.plans)
         assert_no_leak(sched)
-    assert tokens[False] == tokens[True] == full[: stop_at + 1]
-    assert steps[True] == steps[False] + 1
+        assert tokens[overlap] == full[: stop_at + 1]
+        assert steps[overlap] == steps[0] + overlap
 
 
-def test_overlap_never_plans_past_max_new_tokens() -> None:
+@pytest.mark.parametrize("overlap", [1, 2])
+def test_overlap_never_plans_past_max_new_tokens(overlap: int) -> None:
     sched, runner = make_scheduler(enable_prefix_caching=False)
     done = run_all(
-        sched, runner, {"r": ([1, 2, 3], {"max_new_tokens": 5, "ignore_eos": True})}, True
+        sched, runner, {"r": ([1, 2, 3], {"max_new_tokens": 5, "ignore_eos": True})}, overlap
     )
     assert len(done["r"]["ids"]) == 5
     assert len(runner.plans) == 5  # a prefill and four decodes, none extra

@@ -10,10 +10,12 @@ and fed to `ModelRunner.forward`, so the figures are the runner's own.
 is when lazy capture happens: the cold figures include it) and then `--runs` times warm; the
 warm medians are reported, and decode once more per run with the steps overlapped as the
 server runs them (step N+1 launched before N's ids are read; `decode_ms_overlapped`), which
-hides the host's share of a step behind the device's. `--profile DIR` then runs the decode
-steps once more under `torch.profiler`, writes the trace to DIR and adds its summary (GPU
-kernel ms, kernels and host ms per step, the top kernels). One JSON line per batch size is
-appended to `--result-file`; the table is printed last.
+hides the host's share of a step behind the device's; `launch_host_ms` is the median host time
+of one such launch (the plan uploaded, the graph replayed, the result's copy queued: what the
+server's host path adds to each step when the device waits for it). `--profile DIR` then
+runs the decode steps once more under `torch.profiler`, writes the trace to DIR and adds its
+summary (GPU kernel ms, kernels and host ms per step, the top kernels). One JSON line per
+batch size is appended to `--result-file`; the table is printed last.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class Requests:
         from_prev: bool = False,
     ) -> BatchPlan:
         """The plan computing positions [start, start + tokens.shape[1]) of every request; with
-        `from_prev` (decode), its input ids are the previous step's samples on the device."""
+        `from_prev` (decode), its input ids are the previous step's samples, each request's
+        row's latest id on the device (request i has row i)."""
         b, n = tokens.shape
         cols = np.tile(np.arange(start, start + n), b)
         rows = np.repeat(np.arange(b), n)
@@ -99,7 +102,7 @@ class Requests:
             min_ps=np.zeros(b, np.float32),
             seeds=np.zeros(b, np.int64),
             step=step,
-            input_from_prev=np.arange(b, dtype=i32) if from_prev else None,
+            input_from_row=np.arange(b, dtype=i32) if from_prev else None,
         )
 
 
@@ -131,27 +134,38 @@ def run_once(runner: ModelRunner, reqs: Requests, profiler: Any = None) -> Run:
     return Run(prefill_s, steps, np.stack(sampled, axis=1))
 
 
-def run_overlapped(runner: ModelRunner, reqs: Requests) -> tuple[float, np.ndarray]:
+@dataclasses.dataclass
+class Overlapped:
+    step_s: float  # wall seconds per decode step
+    launch_s: float  # median host seconds of one launch
+    ids: np.ndarray  # [B, output_len] the sampled ids
+
+
+def run_overlapped(runner: ModelRunner, reqs: Requests) -> Overlapped:
     """Decode as the server's overlap scheduler runs it: step N+1 is launched, its input ids
     the device's samples of step N, before N's ids are read, so that the host's work of a step
-    (plan, upload, launch, the read of the result) runs while the device computes. Returns
-    (s per decode step, the sampled ids [B, output_len])."""
+    (plan, upload, launch, the read of the result) runs while the device computes."""
     sampled = [runner.forward(reqs.plan(ForwardMode.EXTEND, 0, reqs.prompts)).next_token_ids]
     placeholder = np.zeros((reqs.batch, 1), np.int64)  # the ids come from the device
     steps = reqs.output_len - 1
     start = time.perf_counter()
     pending = None
+    launches = []
     for step in range(1, steps + 1):
         plan = reqs.plan(
             ForwardMode.DECODE, reqs.input_len + step - 1, placeholder, step, from_prev=True
         )
+        launch_start = time.perf_counter()
         launched = runner.launch(plan)
+        launches.append(time.perf_counter() - launch_start)
         if pending is not None:
             sampled.append(pending.wait().next_token_ids)
         pending = launched
     if pending is not None:
         sampled.append(pending.wait().next_token_ids)
-    return (time.perf_counter() - start) / max(steps, 1), np.stack(sampled, axis=1)
+    step_s = (time.perf_counter() - start) / max(steps, 1)
+    launch_s = statistics.median(launches) if launches else 0.0
+    return Overlapped(step_s, launch_s, np.stack(sampled, axis=1))
 
 
 def profile_decode(
@@ -259,8 +273,8 @@ def bench(
             overlapped = [run_overlapped(runner, reqs) for _ in range(runs)]
             # Greedy, through the same graphs: the same ids whichever way the steps ran.
             same_graphs = warm[-1] if warm else cold
-            for _, ids in overlapped:
-                if not np.array_equal(ids, same_graphs.ids):
+            for o in overlapped:
+                if not np.array_equal(o.ids, same_graphs.ids):
                     raise RuntimeError(
                         f"batch {b}: overlapped decode sampled other ids than synchronous steps"
                     )
@@ -289,7 +303,12 @@ def bench(
                 if steps
                 else None,
                 "decode_tok_s": round(b * 1000 / decode_ms, 1) if decode_ms else None,
-                "decode_ms_overlapped": round(statistics.median(o for o, _ in overlapped) * 1000, 3)
+                "decode_ms_overlapped": round(
+                    statistics.median(o.step_s for o in overlapped) * 1000, 3
+                )
+                if steps
+                else None,
+                "launch_host_ms": round(statistics.median(o.launch_s for o in overlapped) * 1000, 3)
                 if steps
                 else None,
                 "cold_prefill_ms": round(cold.prefill_s * 1000, 3),
@@ -335,6 +354,7 @@ TABLE = [
     ("decode ms/step", "decode_ms_per_step"),
     ("decode tok/s", "decode_tok_s"),
     ("overlapped ms/step", "decode_ms_overlapped"),
+    ("launch host ms", "launch_host_ms"),
     ("cold 1st decode ms", "cold_first_decode_ms"),
 ]
 PROFILE_TABLE = [

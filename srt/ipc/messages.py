@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from srt.batch_layout import ForwardMode
+from srt.ipc.array_pickle import PackedArrays
 from srt.ipc.reports import RunnerInfo, SchedulerInfo, TimelineSummary
 from srt.sampling_params import SamplingParams
 
@@ -58,7 +59,7 @@ class FlushCacheReq(ToScheduler):
 
 
 @dataclass
-class BatchPlan(ToRunner):
+class BatchPlan(PackedArrays, ToRunner):
     """scheduler -> runner: everything one forward step needs, prepared on the host.
 
     Tokens of the batch's requests are concatenated in request order. `table_*` are the
@@ -83,10 +84,11 @@ class BatchPlan(ToRunner):
     return_logprob: bool = False  # any request of the batch asked for logprobs
     top_logprobs_num: int = 0  # the most any request of the batch asked for
     step: int = 0
-    # [B] int32, decode only: where a request's input id is the token the previous step
-    # sampled for it, its row in that step's result (the id stays on the device); -1 where
-    # the id is in `input_ids`. None: every id is there.
-    input_from_prev: np.ndarray | None = None
+    # [T] int32: where a token's input id is its request's latest sampled id that a step
+    # still in flight produces (overlap: the id stays on the device), the request's table
+    # row, whose latest id the runner keeps; -1 where the id is in `input_ids`. None: every
+    # id is there.
+    input_from_row: np.ndarray | None = None
 
     @classmethod
     def greedy(
@@ -138,7 +140,7 @@ class BatchPlan(ToRunner):
 
 
 @dataclass
-class BatchResult(FromRunner):
+class BatchResult(PackedArrays, FromRunner):
     """runner -> scheduler: one sampled token per request of the plan."""
 
     next_token_ids: np.ndarray  # [B] int64
@@ -165,7 +167,7 @@ class TokenOutput:
 
 
 @dataclass
-class StepOutputs(ToTokenizer):
+class StepOutputs(PackedArrays, ToTokenizer):
     """scheduler -> tokenizer, one per step: every request's `TokenOutput` of the step, packed
     into arrays (tokens of all requests concatenated, `counts` per request)."""
 

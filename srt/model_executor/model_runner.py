@@ -3,8 +3,9 @@
 A step, start to end (`launch`): the plan goes to its phase's `GraphRunner` (graphs/), which
 uploads it once, fresh or padded into a captured bucket's static buffer, and runs or replays
 the forward; `sampling.next_token_ids` takes the graph's argmax, replays its sampler or
-samples here; the ids stay on the device for the next plan and go to the host behind the
-step (`PendingResult`).
+samples here; each request's id stays on the device, as its table row's latest id, for the
+plans launched before it is back on the host (overlap), and goes to the host behind the step
+(`PendingResult`).
 """
 
 from __future__ import annotations
@@ -107,10 +108,6 @@ class ModelRunner:
             self.attention_backend_name,
         )
         self._build_graphs()
-        # The last launched step's sampled ids, which the next decode plan may take its
-        # inputs from (overlap scheduling), and that step's number.
-        self.last_sampled: torch.Tensor | None = None
-        self.last_step = -1
         self.warmup_s = 0.0 if args.skip_warmup else self._warm_up()
         self.capture_s = self._prewarm()
         # Ready from here on: a JIT compile now is one the first requests wait for.
@@ -145,6 +142,11 @@ class ModelRunner:
             (self.args.max_running_requests, self.context_length),
             dtype=torch.int32,
             device=self.device,
+        )
+        # Each table row's latest sampled id, which later plans take their inputs from where
+        # they say so (`input_from_row`: overlap launches them before the id is on the host).
+        self.latest_ids = torch.zeros(
+            self.args.max_running_requests, dtype=torch.int64, device=self.device
         )
 
     def _build_graphs(self) -> None:
@@ -225,12 +227,12 @@ class ModelRunner:
     def make_forward_batch(self, plan: BatchPlan) -> ForwardBatch:
         """`plan` on the device, unpadded, its table writes applied (for tools and tests that
         run the model themselves)."""
-        return upload_step(plan, self.req_to_token, self.last_sampled)
+        return upload_step(plan, self.req_to_token, self.latest_ids)
 
     def forward_logits(self, plan: BatchPlan) -> torch.Tensor:
         """Logits [B, V] of each request's last token, through the phase's runner (valid
         until the next call: a captured phase returns a view of its static output)."""
-        return self.phase_runners[plan.mode].run(plan, self.last_sampled)[1]
+        return self.phase_runners[plan.mode].run(plan, self.latest_ids)[1]
 
     @torch.inference_mode()
     def launch(self, plan: BatchPlan) -> PendingResult:
@@ -245,13 +247,14 @@ class ModelRunner:
         return self._launch(plan)
 
     def _launch(self, plan: BatchPlan) -> PendingResult:
-        if plan.input_from_prev is not None:
-            assert plan.step == self.last_step + 1, "ids come only from the step just before"
         runner = self.phase_runners[plan.mode]
         self.jit_misses.step = runner.phase.mode, plan.batch_size, plan.num_tokens
-        batch, logits = runner.run(plan, self.last_sampled)
+        batch, logits = runner.run(plan, self.latest_ids)
         next_ids = next_token_ids(plan, batch, logits, runner)
-        self.last_sampled, self.last_step = next_ids, plan.step
+        # A row whose prompt is not done yet gets an id no plan reads: its first decode
+        # follows the step that samples its real first token.
+        b = plan.batch_size
+        self.latest_ids.index_copy_(0, batch.req_pool_indices[:b], next_ids[:b])
         return step_result(plan, logits, next_ids)
 
     def forward(self, plan: BatchPlan) -> BatchResult:

@@ -1,8 +1,9 @@
 """The model-runner process: receives batch plans, runs them, sends results, in order.
 
-A step's result is sent once its ids are on the host; a plan that arrives while they are still
-on their way is launched first (overlap scheduling: the device does not wait for the host's
-round trip), and while none arrives the loop polls both. Results go out in step order, and an
+A step's result is sent as soon as its ids are on the host, and a plan is launched as soon as
+it arrives, however many steps are still on their way (overlap scheduling: the device does not
+wait for the host's round trip, and the scheduler gets each result without waiting for the
+next launch); while neither comes, the loop polls both. Results go out in step order, and an
 info request is answered after every result before it.
 
 With tensor parallelism this is rank 0; every other rank runs a `FollowerLoop`, which takes each
@@ -12,6 +13,7 @@ plan from rank 0 (over the process group, not ZeroMQ) and runs it in step.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import zmq
 
@@ -44,36 +46,29 @@ class RunnerLoop:
         # Per step: plan received, launched (on CUDA, queued on the device), result sent.
         self.timeline = StepTimeline(("received", "launched", "result_sent"))
 
-    def _send_result(self, pending: PendingResult) -> None:
-        self.results.send(pending.wait())
-        self.timeline.mark("result_sent", pending.step)
+    def _send_ready(self, pending: deque[PendingResult], wait: bool = False) -> None:
+        """Send the results that are on the host, oldest first (with `wait`, all of them)."""
+        while pending and (wait or pending[0].ready()):
+            result = pending.popleft()
+            self.results.send(result.wait())
+            self.timeline.mark("result_sent", result.step)
 
     def runner_info(self) -> RunnerInfo:
         return self.runner.info()
 
     def run(self) -> None:
-        pending: PendingResult | None = None  # launched, result not sent yet
+        pending: deque[PendingResult] = deque()  # launched, results not sent yet
         while True:
-            if pending is not None and not self.inbox.poll():
-                if pending.ready():
-                    self._send_result(pending)
-                    pending = None
+            self._send_ready(pending)
+            if pending and not self.inbox.poll():
                 continue
             msg = self.inbox.recv()
             if isinstance(msg, BatchPlan):
-                if pending is not None and pending.ready():  # always so on the CPU
-                    self._send_result(pending)
-                    pending = None
                 self.timeline.begin(msg.step)
-                launched = self.runner.launch(msg)
+                pending.append(self.runner.launch(msg))
                 self.timeline.mark("launched")
-                if pending is not None:  # still on its way: the device has the next step now
-                    self._send_result(pending)
-                pending = launched
             elif isinstance(msg, InfoReq):
-                if pending is not None:
-                    self._send_result(pending)
-                    pending = None
+                self._send_ready(pending, wait=True)
                 timeline = self.timeline.summary(msg.timeline_since)
                 self.results.send(RunnerInfoReply(self.runner.info(), timeline))
             else:

@@ -6,8 +6,9 @@ request its table row, KV length, prefix length, new tokens and first token, eac
 the step's bucket (the one padding rule: padded tokens take id 0, position 0 and the dummy
 slot; padded requests read table row 0 with no prefix and one token (decode) or none
 (prefill)). One copy moves the buffer to the device, where the batch's tensors are views of it;
-the same copy carries the step's request-to-token table writes and, under overlap, where each
-input id is in the previous step's sampled ids, which two device ops then apply.
+the same copy carries the step's request-to-token table writes and, under overlap, which input
+ids are a table row's latest sampled id (still on the device), which two device ops then
+apply.
 
 `upload_step` puts a step in fresh device memory, at its own size (an uncaptured step); a
 captured phase's `StaticBatch` (graphs/static_batch.py) keeps one device buffer whose
@@ -58,12 +59,12 @@ class InputsLayout:
 @dataclass(frozen=True)
 class ExtrasLayout:
     """What the same upload carries for the device ops before the forward: the table writes
-    (flat index into the table, slot) and, under overlap, each token's row in the previous
-    step's sampled ids (-1: its id is in the plan)."""
+    (flat index into the table, slot) and, under overlap, the table row whose latest sampled
+    id is each token's input (-1: its id is in the plan)."""
 
     writes: int
     sources: int  # tokens with a source array (0: none)
-    all_from_prev: bool = False  # every one of them is a previous sample (a plain decode)
+    all_from_rows: bool = False  # every one of them is a row's latest id (a plain decode)
 
     @property
     def nbytes(self) -> int:
@@ -103,13 +104,13 @@ def pack_extras(plan: BatchPlan, layout: ExtrasLayout, width: int, out: np.ndarr
     np.multiply(plan.table_rows, width, out=i64[:w])
     i64[:w] += plan.table_cols
     if s:
-        assert plan.input_from_prev is not None, "a layout with sources has them"
-        i64[w:] = plan.input_from_prev
+        assert plan.input_from_row is not None, "a layout with sources has them"
+        i64[w:] = plan.input_from_row
     out[(w + s) * _I64 : (w + s) * _I64 + w * _I32].view(np.int32)[:] = plan.table_slots
 
 
 def extras_layout(plan: BatchPlan) -> ExtrasLayout:
-    sources = plan.input_from_prev
+    sources = plan.input_from_row
     if sources is None:
         return ExtrasLayout(len(plan.table_rows), 0)
     return ExtrasLayout(len(plan.table_rows), len(sources), bool((sources >= 0).all()))
@@ -150,23 +151,23 @@ def apply_extras(
     batch: ForwardBatch,
     layout: ExtrasLayout,
     extras: torch.Tensor,
-    prev_sampled: torch.Tensor | None,
+    latest_ids: torch.Tensor | None,
 ) -> None:
-    """Apply the table writes the upload carried, and take the ids that are the previous
-    step's samples from the device (they never went to the host)."""
+    """Apply the table writes the upload carried, and take the ids that are rows' latest
+    samples from `latest_ids` (they are not on the host yet)."""
     w, s = layout.writes, layout.sources
     i64 = extras[: (w + s) * _I64].view(torch.int64)
     if w:
         slots = extras[(w + s) * _I64 : (w + s) * _I64 + w * _I32].view(torch.int32)
         batch.req_to_token.view(-1).index_copy_(0, i64[:w], slots)
     if s:
-        assert prev_sampled is not None, "ids from the previous step need its sampled ids"
+        assert latest_ids is not None, "ids from the rows need the rows' latest ids"
         src, ids = i64[w:], batch.input_ids[:s]
-        if layout.all_from_prev:
-            torch.index_select(prev_sampled, 0, src, out=ids)
+        if layout.all_from_rows:
+            torch.index_select(latest_ids, 0, src, out=ids)
         else:
-            from_prev = prev_sampled.index_select(0, src.clamp(min=0))
-            torch.where(src >= 0, from_prev, ids, out=ids)
+            from_rows = latest_ids.index_select(0, src.clamp(min=0))
+            torch.where(src >= 0, from_rows, ids, out=ids)
 
 
 def staging(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -179,7 +180,7 @@ def staging(nbytes: int, device: torch.device) -> torch.Tensor:
 def upload_step(
     plan: BatchPlan,
     req_to_token: torch.Tensor,
-    prev_sampled: torch.Tensor | None = None,
+    latest_ids: torch.Tensor | None = None,
     layout: InputsLayout | None = None,
 ) -> ForwardBatch:
     """`plan` as a batch in fresh device memory (padded to `layout`, by default its own size),
@@ -192,5 +193,5 @@ def upload_step(
     pack_extras(plan, extras, req_to_token.shape[1], view[layout.nbytes :])
     device = host.to(req_to_token.device, non_blocking=True)
     batch = batch_views(plan, layout, device, req_to_token)
-    apply_extras(batch, extras, device[layout.nbytes :], prev_sampled)
+    apply_extras(batch, extras, device[layout.nbytes :], latest_ids)
     return batch

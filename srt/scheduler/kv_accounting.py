@@ -59,12 +59,15 @@ class KVAccounting:
             self.reserved -= req.future_need
             if self.prefix_cache is not None:
                 # KV holds the tokens [0, kv_len) of prompt and output: every output token but
-                # the last, or the last too if a step that was in flight took it as input. (A
-                # step's input is known before any abort can arrive: aborts are handled between
-                # loop turns, when only the step whose input is the last known token runs.)
+                # the last, or the last too if a step that was in flight took it as input. A
+                # request that stopped or was aborted while steps ahead of it were in flight
+                # (overlap) has KV of ids it never learnt (their results were dropped): only
+                # the known tokens are cached, the slots past them are freed.
+                assert req.kv_len == req.num_slots, "a slot for every planned token"
                 tokens = (req.input_ids + req.output_ids)[: req.kv_len]
-                assert len(tokens) == req.kv_len == req.num_slots, "KV past the known tokens"
-                self.prefix_cache.release(req, tokens, req.slots)
+                known = len(tokens)
+                self.prefix_cache.release(req, tokens, req.slots[:known])
+                self.allocator.free(req.slots[known:])
             else:
                 self.allocator.free(req.slots)
             self.rows.free(req.row)

@@ -3,8 +3,9 @@ table writes, and the sampling parameters.
 
 Building a plan takes the slots its tokens write and records, on each request, the slots and
 table entries the plan sends; the caller commits the rest of the step (KV lengths, outputs
-pending). A decode whose input is the token the step in flight samples says so in
-`input_from_prev` (overlap: that id stays on the device).
+pending). A decode whose input is a token that a step still in flight samples says so in
+`input_from_row` (overlap: that id stays on the device, in the runner's latest id of the
+request's table row).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class _Tokens(NamedTuple):
     table_rows: np.ndarray
     table_cols: np.ndarray
     table_slots: np.ndarray
-    input_from_prev: np.ndarray | None
+    input_from_row: np.ndarray | None
 
 
 def build_plan(
@@ -46,9 +47,9 @@ def build_plan(
     req_rows = np.fromiter((r.row for r, _ in items), np.int32, n)
     kv_lens = np.fromiter((r.kv_len for r, _ in items), np.int32, n)
     if mode is ForwardMode.DECODE:
-        tokens = _decode_tokens(items, req_rows, kv_lens, step, alloc)
+        tokens = _decode_tokens(items, req_rows, kv_lens, alloc)
     else:
-        tokens = _extend_tokens(items, step, alloc)
+        tokens = _extend_tokens(items, alloc)
     params = [r.params for r, _ in items]
     return BatchPlan(
         forward_mode=int(mode),
@@ -69,7 +70,7 @@ def build_plan(
         return_logprob=any(p.logprobs for p in params),
         top_logprobs_num=max(p.top_logprobs_num for p in params),
         step=step,
-        input_from_prev=tokens.input_from_prev,
+        input_from_row=tokens.input_from_row,
     )
 
 
@@ -77,7 +78,6 @@ def _decode_tokens(
     items: list[tuple[Req, int]],
     req_rows: np.ndarray,
     kv_lens: np.ndarray,
-    step: int,
     alloc: AllocSlots,
 ) -> _Tokens:
     # One token each, and each row already holds [0, kv_len): built as whole arrays, since
@@ -90,31 +90,32 @@ def _decode_tokens(
     ids = np.fromiter(
         (r.output_ids[-1] if not r.pending_outputs else 0 for r, _ in items), np.int32, n
     )
-    input_from_prev = None
-    if any(r.pending_outputs for r, _ in items):
-        # The input is the token the step in flight samples; it stays on the device.
-        input_from_prev = np.fromiter((_prev_index(r, step) for r, _ in items), np.int32, n)
-    return _Tokens(ids, kv_lens, new, req_rows, kv_lens, new, input_from_prev)
+    input_from_row = None
+    pending = np.fromiter((r.pending_outputs for r, _ in items), np.int32, n)
+    if pending.any():
+        # The input is a token a step in flight samples; it stays on the device.
+        input_from_row = np.where(pending > 0, req_rows, -1).astype(np.int32)
+    return _Tokens(ids, kv_lens, new, req_rows, kv_lens, new, input_from_row)
 
 
-def _extend_tokens(items: list[tuple[Req, int]], step: int, alloc: AllocSlots) -> _Tokens:
-    per_req = [_extend_one(req, extend, step, alloc) for req, extend in items]
+def _extend_tokens(items: list[tuple[Req, int]], alloc: AllocSlots) -> _Tokens:
+    per_req = [_extend_one(req, extend, alloc) for req, extend in items]
     tokens = _Tokens(*(np.concatenate(part) for part in zip(*per_req, strict=True)))
     if not any(r.prompt_done and r.pending_outputs for r, _ in items):
-        tokens = tokens._replace(input_from_prev=None)
+        tokens = tokens._replace(input_from_row=None)
     return tokens
 
 
-def _extend_one(req: Req, extend: int, step: int, alloc: AllocSlots) -> _Tokens:
+def _extend_one(req: Req, extend: int, alloc: AllocSlots) -> _Tokens:
     """One request's tokens in an extend step: the next `extend` of its prompt, or its last
     output (a decode riding along in a mixed step), with where each input id is, as
-    `input_from_prev`."""
+    `input_from_row`."""
     new = alloc(extend)
     start, end = req.kv_len, req.kv_len + extend
     req.add_slots(new)
     if req.prompt_done:
         ids = np.array([0 if req.pending_outputs else req.output_ids[-1]], np.int32)
-        sources = np.array([_prev_index(req, step)], np.int32)
+        sources = np.array([req.row if req.pending_outputs else -1], np.int32)
     else:
         ids = np.asarray(req.input_ids[start:end], np.int32)
         sources = np.full(extend, -1, np.int32)
@@ -130,13 +131,3 @@ def _extend_one(req: Req, extend: int, step: int, alloc: AllocSlots) -> _Tokens:
     )
     req.table_len = end
     return tokens
-
-
-def _prev_index(req: Req, step: int) -> int:
-    """Where a decoding request's input id is: its row in the result of the step in flight,
-    when that step samples it (overlap: the id stays on the device), else -1 (the id is its
-    last output, which the plan carries)."""
-    if not req.pending_outputs:
-        return -1
-    assert req.last_output_step == step - 1, "one step ahead"
-    return req.last_output_index

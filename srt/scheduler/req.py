@@ -39,8 +39,6 @@ class Req:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     steps_in_flight: int = 0  # planned steps with this request whose result is not back
     pending_outputs: int = 0  # tokens those steps sample for it (not known here yet)
-    last_output_index: int = -1  # its row in the latest planned step's result
-    last_output_step: int = -1  # that step's number
 
     @property
     def slots(self) -> np.ndarray:

@@ -8,12 +8,18 @@ reserves KV for a request's whole future (prompt plus max_new_tokens), so decodi
 out of slots; a request that does not fit waits in the queue.
 
 A plan commits its effects when it is built (KV lengths, slots, which requests decode next),
-so the next step can be planned before this one's sampled ids are back: with overlap, step N+1
-is planned and launched while step N runs, and a decode whose input is a token still on the
-device says so in the plan (`input_from_prev`: its index in the previous step's result). What
-only the sampled ids decide (stop tokens) is applied when the result arrives; a request that
-stopped at step N but was already in step N+1 has that token dropped, and nothing of a request
-(KV slots, table row, prefix-cache insertion) is freed while a step in flight still uses it.
+so the next steps can be planned before this one's sampled ids are back: with overlap, up to
+`--overlap-depth` steps are launched ahead of the one whose result is processed, and a decode
+whose input is a token still on the device says so in the plan (`input_from_row`: the
+request's table row, whose latest sampled id the runner keeps). What only the sampled ids
+decide (stop tokens) is applied when the result arrives; a request that stopped at step N but
+was already in the steps after it has those tokens dropped, and nothing of a request (KV
+slots, table row, prefix-cache insertion) is freed while a step in flight still uses it.
+
+Why more than one step ahead: the host's work between two steps (the scheduler's processing
+of a result and its next plan, the runner's upload and launch) is on the critical path when
+step N+1 must be planned from step N-1's result within step N's time on the device; two steps
+ahead give it two steps' time, so a small model's short steps are not host-bound.
 
 The scheduler works on token ids only: stop strings are matched where the text is, on the
 tokenizer side, which aborts the request here once one matches.
@@ -67,8 +73,10 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.rng = random.Random(args.seed)
         self.step_count = 0
-        # Overlap: the step launched but not yet processed, and how to wait for its result.
-        self.in_flight: tuple[ScheduledStep, Callable[[], BatchResult]] | None = None
+        # Overlap: the steps launched but not yet processed, oldest first, each with how to
+        # wait for its result; at most `overlap_depth` stay in flight after a step is taken.
+        self.in_flight: deque[tuple[ScheduledStep, Callable[[], BatchResult]]] = deque()
+        self.overlap_depth = args.overlap_depth
 
     @property
     def waiting(self) -> deque[Req]:
@@ -145,7 +153,7 @@ class Scheduler:
             return None
         self.step_count += 1
         plan = build_plan(mode, items, self.step_count, self.vocab_size, self.kv.alloc)
-        samples = [self._commit(i, req, extend) for i, (req, extend) in enumerate(items)]
+        samples = [self._commit(req, extend) for req, extend in items]
         return ScheduledStep(plan, [r for r, _ in items], samples)
 
     def process_result(self, step: ScheduledStep, result: BatchResult) -> list[TokenOutput]:
@@ -178,24 +186,27 @@ class Scheduler:
     def step_overlapped(
         self, launch: Callable[[BatchPlan], Callable[[], BatchResult]]
     ) -> list[TokenOutput] | None:
-        """Plan and launch the next step, then process the one launched before it (which ran
-        meanwhile); None when there was neither. `launch` starts a step and returns what
-        waits for its result. At most one step is in flight ahead of the one running."""
+        """Plan and launch the next step, then process the oldest one in flight once more
+        than `overlap_depth` are (or, with nothing to plan, whichever is oldest); None when
+        there was nothing to plan and none in flight. `launch` starts a step and returns what
+        waits for its result."""
         scheduled = self.schedule()
-        if scheduled is None and self.in_flight is None:
+        if scheduled is None and not self.in_flight:
             return None
-        launched = (scheduled, launch(scheduled.plan)) if scheduled is not None else None
-        outputs = self.drain()
-        self.in_flight = launched
-        return outputs
+        if scheduled is not None:
+            self.in_flight.append((scheduled, launch(scheduled.plan)))
+            if len(self.in_flight) <= self.overlap_depth:
+                return []  # the device has work queued; its results come in later turns
+        step, wait = self.in_flight.popleft()
+        return self.process_result(step, wait())
 
     def drain(self) -> list[TokenOutput]:
-        """Wait for the step in flight, if any, and process it."""
-        if self.in_flight is None:
-            return []
-        step, wait = self.in_flight
-        self.in_flight = None
-        return self.process_result(step, wait())
+        """Wait for every step in flight, oldest first, and process them."""
+        outputs = []
+        while self.in_flight:
+            step, wait = self.in_flight.popleft()
+            outputs += self.process_result(step, wait())
+        return outputs
 
     def info(self) -> SchedulerInfo:
         slots = self.kv.allocator
@@ -213,9 +224,9 @@ class Scheduler:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _commit(self, i: int, req: Req, extend: int) -> bool:
-        """Commit a planned step's effect on a request, its row `i` in the step: whether the
-        step samples a token there (it does once the prompt is planned in full)."""
+    def _commit(self, req: Req, extend: int) -> bool:
+        """Commit a planned step's effect on a request: whether the step samples a token for
+        it (it does once the prompt is planned in full)."""
         was_prefilling = not req.prompt_done
         req.kv_len += extend
         req.steps_in_flight += 1
@@ -223,7 +234,6 @@ class Scheduler:
             return False
         if req.max_new_tokens > 0:
             req.pending_outputs += 1
-            req.last_output_index, req.last_output_step = i, self.step_count
             if was_prefilling:  # its prompt is planned: it decodes from the next step on
                 self.running[req.rid] = req
         return True

@@ -1,9 +1,10 @@
 """The scheduler process: requests in from the tokenizer, one batch plan at a time to the runner,
 token outputs back to the tokenizer.
 
-With overlap (the default), step N+1 is planned and sent before step N's result is awaited, so
-the runner always has the next plan when a step ends; with --disable-overlap-schedule each step
-is planned, run and processed in turn. Between steps every message that has arrived is handled,
+With overlap (the default), steps are planned and sent ahead of the result awaited (step N+2
+before step N's with the default --overlap-depth 2), so the runner always has the next plan
+when a step ends; with --disable-overlap-schedule each step is planned, run and processed in
+turn. Between steps every message that has arrived is handled,
 and with no work the loop sleeps on its inbox. A step's outputs go to the tokenizer as one
 message. A request that cannot be admitted, for whatever reason, is finished with an error; the
 others carry on.
@@ -76,8 +77,8 @@ class SchedulerLoop:
             eos_token_ids=config.eos_token_ids,
         )
         self.overlap = not args.disable_overlap_schedule
-        # Per loop turn: plan built, sent, the previous (overlap) or this plan's result back,
-        # outputs sent to the tokenizer.
+        # Per loop turn: plan built, sent, the oldest step's in flight (overlap) or this
+        # plan's result back, outputs sent to the tokenizer.
         self.timeline = StepTimeline(("start", "planned", "sent", "received", "outputs_sent"))
 
     def runner_info(self) -> None:

@@ -14,7 +14,7 @@ budget says no) and recorded in the compile cache's manifest; every later batch 
 bucket replays; batches beyond the largest bucket, of a skipped bucket, or on a device with
 nothing to capture run the forward uncaptured.
 
-`run(plan, prev_sampled) -> (batch, logits [B, V])` (the logits valid until the next run: the
+`run(plan, latest_ids) -> (batch, logits [B, V])` (the logits valid until the next run: the
 plan uploaded once, fresh or into the bucket's static buffer), `take_greedy()` (their argmax
 where the graph computed it), `take_sampled(arrays)` (them sampled in a graph, where the
 capture kind does that), `run_general(plan)` (the same logits through the uncaptured general
@@ -119,44 +119,44 @@ class GraphRunner:
         return self.config.bucket_for(n)
 
     def run(
-        self, plan: BatchPlan, prev_sampled: torch.Tensor | None = None
+        self, plan: BatchPlan, latest_ids: torch.Tensor | None = None
     ) -> tuple[ForwardBatch, torch.Tensor]:
         """The step's batch on the device (its table writes applied, its ids from
-        `prev_sampled` where the plan says so) and the logits [B, V] of each request's last
+        `latest_ids` where the plan says so) and the logits [B, V] of each request's last
         token."""
         self.replayed = False
         bucket = self.bucket_of(plan) if self.capture is not None else None
         if self.capture is None or self.static is None or bucket is None:
-            return self.run_uncaptured(plan, prev_sampled)
+            return self.run_uncaptured(plan, latest_ids)
         record = self.records[bucket]
         padded = None
         if record.state is BucketState.UNSEEN:
             if self.env.cache is not None:  # the next start can prewarm it (manifest mode)
                 self.env.cache.manifest.record(self.phase.value, bucket)
-            # Replayed on the inputs it was captured with: loading the plan again would take
-            # its ids from `prev_sampled` again, which the capture may have written over.
-            padded = self.specialise(bucket, plan, prev_sampled)
+            # Replayed on the inputs it was captured with: the capture left them in the
+            # static buffers.
+            padded = self.specialise(bucket, plan, latest_ids)
         if record.state is BucketState.SKIPPED:
-            return self.run_uncaptured(plan, prev_sampled)
+            return self.run_uncaptured(plan, latest_ids)
         record.replays += 1
         if padded is None:
-            padded = self.load(plan, bucket, prev_sampled)
+            padded = self.load(plan, bucket, latest_ids)
         logits = self.capture.replay(self.graphs[bucket], padded, bucket)
         self.replayed = True
         return padded, logits
 
-    def load(self, plan: BatchPlan, bucket: int, prev_sampled: torch.Tensor | None) -> ForwardBatch:
+    def load(self, plan: BatchPlan, bucket: int, latest_ids: torch.Tensor | None) -> ForwardBatch:
         """`plan` padded to `bucket` in the static buffer its graphs read."""
         assert self.static is not None, "only capturing runners"
         requests = self.ctx.requests_for(bucket)
-        return self.static.load(plan, bucket, requests, self.env.req_to_token, prev_sampled)
+        return self.static.load(plan, bucket, requests, self.env.req_to_token, latest_ids)
 
     def run_uncaptured(
-        self, plan: BatchPlan, prev_sampled: torch.Tensor | None
+        self, plan: BatchPlan, latest_ids: torch.Tensor | None
     ) -> tuple[ForwardBatch, torch.Tensor]:
         if self.config.backend is not Backend.DISABLED:
             self.uncaptured_runs += 1
-        batch = upload_step(plan, self.env.req_to_token, prev_sampled)
+        batch = upload_step(plan, self.env.req_to_token, latest_ids)
         self.env.attn_backend.init_forward_metadata(batch)
         return batch, self.forward(batch, None)
 
@@ -187,14 +187,14 @@ class GraphRunner:
                 self.specialise(bucket, dummy_plan(self.phase.mode, bucket, width))
 
     def specialise(
-        self, bucket: int, plan: BatchPlan, prev_sampled: torch.Tensor | None = None
+        self, bucket: int, plan: BatchPlan, latest_ids: torch.Tensor | None = None
     ) -> ForwardBatch:
         """Warm up and capture `bucket` with `plan` (a live step of that bucket, or a dummy),
         padded into the static buffers, the same way for every capture kind; returns the
         padded batch (its inputs stay in the buffers: a replay can follow at once)."""
         capture = self.capture
         assert capture is not None, "only capturing runners"
-        padded = self.load(plan, bucket, prev_sampled)
+        padded = self.load(plan, bucket, latest_ids)
         captured = self.ctx.pool.capture(
             self.ctx.label(bucket, capture.name.value),
             lambda: capture.warmup(padded, bucket),

@@ -53,7 +53,7 @@ class StaticBatch:
         tokens: int,
         requests: int,
         req_to_token: torch.Tensor,
-        prev_sampled: torch.Tensor | None,
+        latest_ids: torch.Tensor | None,
     ) -> ForwardBatch:
         """`plan` padded to `tokens` tokens and `requests` requests in the static buffer, its
         table writes applied; the batch's device tensors view the buffer. It has no attention
@@ -69,11 +69,11 @@ class StaticBatch:
         self.buffer[: host.numel()].copy_(host, non_blocking=True)
         batch = batch_views(plan, layout, self.buffer, req_to_token)
         if fits:
-            apply_extras(batch, extras, self.buffer[self.region :], prev_sampled)
+            apply_extras(batch, extras, self.buffer[self.region :], latest_ids)
         else:
             apart = staging(extras.nbytes, self.device)
             pack_extras(plan, extras, req_to_token.shape[1], apart.numpy())
-            apply_extras(batch, extras, apart.to(self.device, non_blocking=True), prev_sampled)
+            apply_extras(batch, extras, apart.to(self.device, non_blocking=True), latest_ids)
         return batch
 
 
