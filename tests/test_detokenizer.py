@@ -9,9 +9,12 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from srt.ipc.messages import TokenOutput
 from srt.model_config import ModelLoadError
+from srt.sampling_params import SamplingParams
 from srt.server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from srt.server.hf_tokenizer import load_tokenizer
+from srt.server.seq_outputs import SeqDecoder
 
 UNICODE_TEXT = "héllo ✓ 日本語 🙂 naïve café — “quoted” 12345\n\tthe end. Ωμέγα 한국어 👩‍👩‍👧"
 
@@ -183,3 +186,32 @@ def test_each_push_decodes_a_window_not_the_whole_output(tokenizer: Any) -> None
     assert "".join(stream(detok, ids)) == UNICODE_TEXT * 4
     # A window spans the tokens of the last character or two, however long the output.
     assert max(counting.decoded) <= 16 < len(ids)
+
+
+@pytest.mark.parametrize("stop", [None, ["日本"]], ids=["no-stop", "stop-string"])
+def test_a_sequence_decodes_the_same_however_its_steps_are_grouped(
+    tokenizer: Any, stop: list[str] | None
+) -> None:
+    """A consumer that fell behind gets several steps' tokens in one output: its text and kept
+    ids are those of one token at a time (pushed at once without stop strings, one by one to
+    find the token that completes a stop string)."""
+    ids = tokenizer.encode(UNICODE_TEXT, add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=len(ids), stop=stop)
+
+    def run(groups: list[list[int]]) -> tuple[str, list[int], str | None]:
+        decoder = SeqDecoder(0, tokenizer, params)
+        text, kept, reason = "", [], None
+        for k, group in enumerate(groups):
+            last = k == len(groups) - 1
+            update, _ = decoder.update(TokenOutput("r", group, "length" if last else None))
+            text, kept, reason = text + update.text, kept + update.token_ids, update.finish_reason
+            if reason is not None:
+                break
+        return text, kept, reason
+
+    one_by_one = run([[t] for t in ids])
+    assert run([ids[i : i + 7] for i in range(0, len(ids), 7)]) == one_by_one
+    if stop:
+        assert one_by_one[2] == "stop" and one_by_one[0] == UNICODE_TEXT.split("日本")[0]
+    else:
+        assert one_by_one == (UNICODE_TEXT, ids, "length")

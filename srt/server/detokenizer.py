@@ -90,6 +90,10 @@ class IncrementalDetokenizer:
         self._read_offset = 0
 
     @property
+    def has_stop_strings(self) -> bool:
+        return self._matcher is not None
+
+    @property
     def text(self) -> str:
         """Everything decoded so far (cut before a matched stop string)."""
         return "".join(self._released) + self._held

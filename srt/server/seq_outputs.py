@@ -107,12 +107,17 @@ class SeqDecoder:
         """(the update, whether the scheduler must be told to stop the sequence)."""
         text, kept = "", 0
         finish, matched = out.finished_reason, out.matched_stop
-        for token in out.new_token_ids:  # one at a time, to know which token ends it
-            text += self.detok.push([token])
-            kept += 1
-            if self.detok.stopped:
-                finish, matched = "stop", self.detok.matched_stop
-                break
+        if self.detok.has_stop_strings:
+            for token in out.new_token_ids:  # one at a time, to know which token ends it
+                text += self.detok.push([token])
+                kept += 1
+                if self.detok.stopped:
+                    finish, matched = "stop", self.detok.matched_stop
+                    break
+        else:
+            # Every token is kept: the tokens of several steps (a consumer that fell behind)
+            # decode in one push, not one push (two decodes) each.
+            text, kept = self.detok.push(out.new_token_ids), len(out.new_token_ids)
         if finish is not None:
             text += self.detok.finish()
             self.finished = True
