@@ -49,12 +49,20 @@ def resolve(device: str = "cpu", **kwargs: Any) -> dict[Phase, Any]:
 # ---- configuration ------------------------------------------------------------------------
 
 
-def test_defaults_depend_on_the_device() -> None:
+def test_defaults_depend_on_the_device_and_the_attention_backend() -> None:
     cpu, cuda = resolve("cpu"), resolve("cuda")
     assert cpu[Phase.DECODE].backend is Backend.DISABLED
     assert cpu[Phase.PREFILL].backend is Backend.DISABLED
+    # triton runs both phases inside a graph: both are captured.
     assert cuda[Phase.DECODE].backend is Backend.FULL
-    assert cuda[Phase.PREFILL].backend is Backend.DISABLED
+    assert cuda[Phase.PREFILL].backend is Backend.FULL
+    # A backend that captures decode only (flashinfer), and one that captures nothing.
+    decode_only = resolve_graph_config(ServerArgs(), "cuda", frozenset({ForwardMode.DECODE}))
+    assert decode_only[Phase.DECODE].backend is Backend.FULL
+    assert decode_only[Phase.PREFILL].backend is Backend.DISABLED
+    neither = resolve_graph_config(ServerArgs(), "cuda", frozenset())
+    assert neither[Phase.DECODE].backend is Backend.BREAKABLE
+    assert neither[Phase.PREFILL].backend is Backend.DISABLED
 
 
 def test_flags_win_over_defaults_and_json_over_flags() -> None:
@@ -72,7 +80,7 @@ def test_flags_win_over_defaults_and_json_over_flags() -> None:
     decode, prefill = both[Phase.DECODE], both[Phase.PREFILL]
     assert (decode.backend, decode.bs) == (Backend.TC_PIECEWISE, [2, 4])
     assert decode.tc_compiler == "eager"
-    assert prefill.backend is Backend.DISABLED and prefill.bs[-1] == 64
+    assert prefill.backend is Backend.FULL and prefill.bs[-1] == 64
 
 
 def test_disable_cuda_graph_turns_every_phase_off() -> None:
@@ -135,7 +143,10 @@ def test_a_tc_compiler_no_phase_uses_is_a_warning(
     # As SGLang does: ignored, not refused (whatever its value, since nothing compiles).
     with caplog.at_level(logging.WARNING, logger="srt.model_executor.graphs.config"):
         configs = resolve(
-            "cuda", cuda_graph_tc_compiler=compiler, cuda_graph_backend_decode="breakable"
+            "cuda",
+            cuda_graph_tc_compiler=compiler,
+            cuda_graph_backend_decode="breakable",
+            cuda_graph_backend_prefill="disabled",
         )
     assert all(c.tc_compiler is None for c in configs.values())
     message = f"--cuda-graph-tc-compiler {compiler} is ignored: no phase uses tc_piecewise or full"
@@ -148,7 +159,11 @@ def test_the_tc_compiler_flag_applies_to_full_phases_too() -> None:
     configs = resolve("cuda", cuda_graph_tc_compiler="inductor")
     assert configs[Phase.DECODE].backend is Backend.FULL
     assert configs[Phase.DECODE].tc_compiler == "inductor"
-    assert configs[Phase.PREFILL].tc_compiler is None  # disabled: the eager forward
+    assert configs[Phase.PREFILL].tc_compiler == "inductor"  # full by default on CUDA
+    eager_prefill = resolve(
+        "cuda", cuda_graph_tc_compiler="inductor", cuda_graph_backend_prefill="disabled"
+    )
+    assert eager_prefill[Phase.PREFILL].tc_compiler is None  # disabled: the eager forward
     per_bucket = resolve("cuda", cuda_graph_tc_compiler="inductor", enable_torch_compile=True)
     assert per_bucket[Phase.DECODE].tc_compiler is None
     both = resolve(

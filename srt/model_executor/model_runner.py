@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from srt.batch_layout import ForwardMode
 from srt.compilation.cache import default_cache_root, open_cache_root, point_tool_caches
 from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
@@ -93,7 +92,7 @@ class ModelRunner:
         )
         attn_cls = attention_backend_class(self.attention_backend_name)
         self.graph_configs = resolve_graph_config(  # fail before loading
-            args, self.device.type, ForwardMode.DECODE in attn_cls.graph_modes
+            args, self.device.type, attn_cls.graph_modes
         )
         self.load_s = timed(self._load_model)
         self.custom_ops_s = timed(self._select_custom_ops)  # with the kernels' import of triton

@@ -51,6 +51,10 @@ def default_prefill_ladder() -> list[int]:
     )
 
 
+# The step kinds the triton attention backend runs inside a CUDA graph (its `graph_modes`).
+CAPTURABLE_BY_TRITON = frozenset({ForwardMode.DECODE, ForwardMode.EXTEND})
+
+
 class GraphConfigError(ValueError):
     pass
 
@@ -80,10 +84,10 @@ def _phase_config(
     phase: Phase,
     raw: dict[str, Any],
     device: str,
-    decode_graph_capable: bool,
+    graph_modes: frozenset[ForwardMode],
     where: Callable[[str], str],
 ) -> PhaseConfig:
-    backend_name = raw.get("backend", _default_backend(phase, device, decode_graph_capable))
+    backend_name = raw.get("backend", _default_backend(phase, device, graph_modes))
     try:
         backend = Backend(backend_name)
     except ValueError:
@@ -123,10 +127,17 @@ def _phase_config(
 
 
 def resolve_graph_config(
-    args: ServerArgs, device: str, decode_graph_capable: bool = True
+    args: ServerArgs, device: str, graph_modes: frozenset[ForwardMode] = CAPTURABLE_BY_TRITON
 ) -> dict[Phase, PhaseConfig]:
-    """Per-phase configs from the flags. Default: decode graphs on CUDA (`full` when the
-    attention backend runs decode inside a graph, else `breakable`), prefill `disabled`."""
+    """Per-phase configs from the flags. Default, on CUDA: each phase `full` where the
+    attention backend runs it inside a graph (`graph_modes`, as triton does both), else decode
+    `breakable` and prefill `disabled`; nothing on the CPU.
+
+    Why prefill is captured by default: served at concurrency 1-128 on the H200 (1B shape, 128
+    prompt tokens and 256 new, docs/benchmarks.md r8), captured prefill took TTFT at
+    concurrency 1 from 22.7 to 7.2 ms and throughput up 12-22% at 32-128, although the
+    buckets it met for the first time were captured inside the run. Mixed steps
+    (`--enable-mixed-chunk`) did no better at 64-128 and stay off."""
     try:
         overrides = json.loads(args.cuda_graph_config) if args.cuda_graph_config else {}
     except json.JSONDecodeError as e:
@@ -136,9 +147,7 @@ def resolve_graph_config(
             "--cuda-graph-config: expected an object with keys 'prefill' and/or 'decode'"
         )
     configs = {
-        phase: _resolve_phase(
-            phase, overrides.get(phase.value, {}), args, device, decode_graph_capable
-        )
+        phase: _resolve_phase(phase, overrides.get(phase.value, {}), args, device, graph_modes)
         for phase in Phase
     }
     if args.cuda_graph_tc_compiler is not None and not any(
@@ -154,7 +163,11 @@ def resolve_graph_config(
 
 
 def _resolve_phase(
-    phase: Phase, from_json: Any, args: ServerArgs, device: str, decode_graph_capable: bool
+    phase: Phase,
+    from_json: Any,
+    args: ServerArgs,
+    device: str,
+    graph_modes: frozenset[ForwardMode],
 ) -> PhaseConfig:
     """One phase's config: its `--cuda-graph-config` entry over its flags over the defaults."""
     if not isinstance(from_json, dict):
@@ -175,7 +188,7 @@ def _resolve_phase(
     raw = {k: v for k, v in from_flags.items() if v is not None}
     raw.update(from_json)
     if "tc_compiler" not in from_json and not _flag_compiler_applies(
-        raw.get("backend", _default_backend(phase, device, decode_graph_capable)), args
+        raw.get("backend", _default_backend(phase, device, graph_modes)), args
     ):
         # One --cuda-graph-tc-compiler serves whichever phases can use it.
         raw.pop("tc_compiler", None)
@@ -185,7 +198,7 @@ def _resolve_phase(
             return f"--cuda-graph-config {phase.value}.{key}"
         return "--cuda-graph-tc-compiler" if key == "tc_compiler" else _flag(phase, key)
 
-    config = _phase_config(phase, raw, device, decode_graph_capable, where)
+    config = _phase_config(phase, raw, device, graph_modes, where)
     if config.backend is Backend.FULL and config.tc_compiler and args.enable_torch_compile:
         raise GraphConfigError(
             f"{where('tc_compiler')}: a full phase with a tc compiler captures the compiled "
@@ -194,10 +207,12 @@ def _resolve_phase(
     return config
 
 
-def _default_backend(phase: Phase, device: str, decode_graph_capable: bool) -> Backend:
-    if phase is Phase.DECODE and device == "cuda":
-        return Backend.FULL if decode_graph_capable else Backend.BREAKABLE
-    return Backend.DISABLED
+def _default_backend(phase: Phase, device: str, graph_modes: frozenset[ForwardMode]) -> Backend:
+    if device != "cuda":
+        return Backend.DISABLED
+    if phase.mode in graph_modes:
+        return Backend.FULL
+    return Backend.BREAKABLE if phase is Phase.DECODE else Backend.DISABLED
 
 
 def _flag_compiler_applies(backend: str, args: ServerArgs) -> bool:
