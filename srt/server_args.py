@@ -85,10 +85,14 @@ class ServerArgs:
 
     # Graphs and compilation
     cuda_graph_backend_decode: str | None = _opt(
-        None, "Decode graph backend: disabled, full, breakable, tc_piecewise."
+        None,
+        "Decode graph backend: disabled, full, breakable, tc_piecewise (default on CUDA: full "
+        "where the attention backend can, else breakable).",
     )
     cuda_graph_backend_prefill: str | None = _opt(
-        None, "Prefill graph backend: disabled, full, breakable, tc_piecewise."
+        None,
+        "Prefill graph backend: disabled, full, breakable, tc_piecewise (default on CUDA: full "
+        "where the attention backend can, else disabled).",
     )
     cuda_graph_tc_compiler: str | None = _opt(
         None,
