@@ -141,6 +141,11 @@ class ServerArgs:
     max_request_bytes: int = _opt(
         32 * 1024 * 1024, "Largest request body accepted (larger ones get 413)."
     )
+    incremental_streaming_output: bool = _opt(
+        False,
+        "/generate streams each event's new text and ids, not the whole output so far "
+        "(SGLang's flag; its default is the whole output, which SGLang's clients read).",
+    )
     log_level: str = _opt("info", "Logging level.", choices=LOG_LEVELS, type=str.lower)
 
     @classmethod

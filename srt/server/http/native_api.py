@@ -1,5 +1,11 @@
 """SGLang's native /generate: `text` or `input_ids`, one or a batch, results with meta_info.
-Requests go through the same front end as `Engine.generate`."""
+Requests go through the same front end as `Engine.generate`.
+
+Streaming, each event carries one sequence's text and ids so far, as SGLang's does by default
+(its benchmark client takes an event's `text` for the whole output); with
+`--incremental-streaming-output`, only what the event adds (text, ids, logprobs), the counts
+in `meta_info` still the sequence's totals, so that an event's size does not grow with the
+output."""
 
 from __future__ import annotations
 
@@ -24,12 +30,13 @@ def native_router(manager: TokenizerManager) -> APIRouter:
         return {"index": r.index, **r.native()}
 
     async def native_events(seqs: list[Seq]) -> AsyncGenerator[dict[str, Any], None]:
-        # SGLang streams each sequence's text and ids so far, not deltas.
+        incremental = manager.args.incremental_streaming_output
         results = [SeqResult(i) for i in range(len(seqs))]
         async with aclosing(manager.generate(seqs)) as updates:
             async for u in updates:
-                results[u.index].add(u)
-                yield native(results[u.index])
+                result = SeqResult(u.index) if incremental else results[u.index]
+                result.add(u)
+                yield native(result)
 
     @router.post("/generate")
     async def generate(req: GenerateRequest, request: Request) -> Any:

@@ -10,11 +10,24 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from srt.ipc.reports import jsonable
+from srt.ipc.reports import TimelineSummary, jsonable
 from srt.server.http.common import OrjsonResponse, error_response
 from srt.server.tokenizer_manager import TokenizerManager
 
 HEALTH_PATH = "/health"  # open without the API key, for load balancers
+
+
+def internal_state(scheduler_timeline: TimelineSummary) -> dict[str, Any]:
+    """What SGLang's clients read from `internal_states` after a run (one entry per data
+    parallel rank; srt has one): no speculative decoding, so no accept length; the generation
+    throughput over the scheduler's last steps (its timeline's decode steps)."""
+    decode = scheduler_timeline.kinds.get("decode")
+    throughput = (
+        round(decode.steps * decode.requests_mean * 1000 / decode.ms_total, 2)
+        if decode is not None and decode.ms_total > 0
+        else 0.0
+    )
+    return {"avg_spec_accept_length": None, "last_gen_throughput": throughput}
 
 
 def server_router(manager: TokenizerManager) -> APIRouter:
@@ -54,6 +67,7 @@ def server_router(manager: TokenizerManager) -> APIRouter:
                 "timeline": jsonable(info.scheduler_timeline),
             },
             "tokenizer": {"timeline": jsonable(manager.timeline.summary(timeline_since))},
+            "internal_states": [internal_state(info.scheduler_timeline)],
             # The timelines' clock (`time.perf_counter()`, one clock for all the processes).
             "clock_s": time.perf_counter(),
         }
