@@ -35,16 +35,18 @@ class Stream:
     reason: str | None = None
 
 
+# Small prefill budgets: long prompts are chunked and new requests split across steps.
+ENGINE_ARGS: dict[str, Any] = {
+    "device": "cpu",
+    "dtype": "float32",
+    "chunked_prefill_size": 8,
+    "max_prefill_tokens": 16,
+}
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path) -> Iterator[Engine]:
-    # Small prefill budgets: long prompts are chunked and new requests split across steps.
-    with Engine(
-        model_path=str(tiny_llama),
-        device="cpu",
-        dtype="float32",
-        chunked_prefill_size=8,
-        max_prefill_tokens=16,
-    ) as eng:
+    with Engine(model_path=str(tiny_llama), **ENGINE_ARGS) as eng:
         yield eng
 
 
@@ -291,7 +293,7 @@ def test_captured_steps_give_the_ids_of_eager_steps(
 ) -> None:
     """The same traffic, overlapped, through captured graphs (CUDA capture emulated on the
     CPU): every step of a captured bucket is uploaded once into its static buffer, padded, its
-    table writes and its ids from the previous step applied on the device, with prefill
+    table writes and its ids from the rows' latest samples applied on the device, with prefill
     captured or not and decodes riding along in prefill steps or not."""
     jobs, eos_token = traffic(engine)
     with eos_and_mixing(engine, eos_token, mixed=mixed):
@@ -299,10 +301,7 @@ def test_captured_steps_give_the_ids_of_eager_steps(
     monkeypatch.setattr(graph_pool, "default_capturer", lambda device: EmulatedCapturer())
     with Engine(
         model_path=str(tiny_llama),
-        device="cpu",
-        dtype="float32",
-        chunked_prefill_size=8,
-        max_prefill_tokens=16,
+        **ENGINE_ARGS,
         compile_cache_dir=str(tmp_path / "cache"),
         cuda_graph_backend_decode="full",
         cuda_graph_backend_prefill=prefill,
