@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from srt.ipc.messages import TokenOutput
 from srt.model_config import ModelLoadError
 from srt.sampling_params import SamplingParams
-from srt.server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from srt.server.detokenizer import IncrementalDetokenizer, StopStringMatcher, fast_decode
 from srt.server.hf_tokenizer import load_tokenizer
 from srt.server.seq_outputs import SeqDecoder
 
@@ -215,3 +215,24 @@ def test_a_sequence_decodes_the_same_however_its_steps_are_grouped(
         assert one_by_one[2] == "stop" and one_by_one[0] == UNICODE_TEXT.split("日本")[0]
     else:
         assert one_by_one == (UNICODE_TEXT, ids, "length")
+
+
+def test_the_rust_decode_only_where_it_is_the_same_decode(tokenizer: Any) -> None:
+    """Streams decode with the Rust tokenizer's own decode when transformers' wrapper adds
+    nothing (it does not clean up spaces), and give the wrapper's text for any ids, special
+    or not; a tokenizer that cleans up spaces keeps the wrapper."""
+    assert not tokenizer.clean_up_tokenization_spaces
+    decode = fast_decode(tokenizer)
+    assert decode == tokenizer.backend_tokenizer.decode
+    rng = random.Random(1)
+    for skip in (True, False):
+        for _ in range(20):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 30))]
+            assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip
+            )
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        assert fast_decode(tokenizer) == tokenizer.decode
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False

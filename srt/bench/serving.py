@@ -277,7 +277,9 @@ async def send_request(
                     record.token_times += [now] * (count - seen)
                     record.chunk_times.append(now)
                     seen = count
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, orjson.JSONDecodeError, KeyError, TypeError) as e:
+        # Anything that breaks the stream is the request's error, never the run's: a run
+        # reports what failed and how, and goes on.
         record.error = f"{type(e).__name__}: {e}"
         return
     finally:
@@ -311,11 +313,13 @@ async def run_load(
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
 
     async def one(client: httpx.AsyncClient, spec: RequestSpec, record: RequestRecord) -> None:
-        async with gate:
-            await send_request(client, base_url, spec, record)
-        bar.update()
-        if on_request_done is not None:
-            on_request_done()
+        try:
+            async with gate:
+                await send_request(client, base_url, spec, record)
+        finally:
+            bar.update()
+            if on_request_done is not None:
+                on_request_done()
 
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as client:
         tasks = []
@@ -326,8 +330,11 @@ async def run_load(
         _, pending = await asyncio.wait(tasks, timeout=max_duration_s)
         for task in pending:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     bar.close()
+    for record, outcome in zip(records, outcomes, strict=True):
+        if isinstance(outcome, Exception):  # a client bug, named rather than lost
+            record.error = record.error or f"client failed: {type(outcome).__name__}: {outcome}"
     for record in records:
         if record.done is None or (
             record.error is None and record.output_tokens < record.output_len

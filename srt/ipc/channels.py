@@ -10,6 +10,7 @@ out of it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import shutil
@@ -73,7 +74,7 @@ def _socket(ctx: zmq.Context[Any], kind: int) -> Any:
 
 
 class Receiver(Generic[M]):
-    """The reading end of a channel: binds its PULL socket (`ctx` sync or zmq.asyncio)."""
+    """The reading end of a channel: binds its PULL socket."""
 
     def __init__(self, ctx: zmq.Context[Any], endpoints: Endpoints, channel: Channel[M]) -> None:
         self.channel = channel
@@ -84,10 +85,39 @@ class Receiver(Generic[M]):
         """The next message; with `zmq.NOBLOCK`, raises `zmq.Again` when none is waiting."""
         return self.channel.check(loads(self.socket.recv_multipart(flags)))
 
-    async def recv_async(self) -> M:
-        """The next message, on a zmq.asyncio context's socket."""
-        frames = await self.socket.recv_multipart()
-        return self.channel.check(loads(frames))
+    async def recv_all_async(self) -> list[M]:
+        """Every message waiting, once there is at least one: for an asyncio loop, on a sync
+        context's socket. zmq.asyncio costs a future and several callbacks per message; here
+        the loop watches the socket's descriptor and one wake drains what arrived meanwhile
+        (the descriptor is edge-triggered: it signals again only once the queue was emptied)."""
+        while True:
+            messages = []
+            while True:
+                try:
+                    frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                messages.append(self.channel.check(loads(frames)))
+            if messages:
+                return messages
+            await self._readable()
+
+    async def _readable(self) -> None:
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        fd = self.socket.getsockopt(zmq.FD)
+
+        def wake() -> None:
+            if not readable.done():
+                readable.set_result(None)
+
+        loop.add_reader(fd, wake)
+        try:
+            # An edge that came before the reader was added is not signalled again: ask.
+            if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                await readable
+        finally:
+            loop.remove_reader(fd)
 
     def poll(self, timeout_ms: int = 0) -> bool:
         return bool(self.socket.poll(timeout_ms))

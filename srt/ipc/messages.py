@@ -150,7 +150,7 @@ class BatchResult(PackedArrays, FromRunner):
     step: int = 0
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one is made per request per step, in the main process
 class TokenOutput:
     """scheduler -> tokenizer: what one request produced in one step."""
 

@@ -63,6 +63,16 @@ class StopStringMatcher:
         return self._depth[self.state]
 
 
+def fast_decode(tokenizer: Any) -> Any:
+    """`tokenizer.decode`, or the same decode without transformers' wrapper around it (a
+    third of the time; a stream decodes twice per event): the Rust tokenizer's own, where
+    the wrapper adds nothing, i.e. a fast tokenizer that does not clean up spaces."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of output ids into text deltas.
 
@@ -79,6 +89,7 @@ class IncrementalDetokenizer:
         self, tokenizer: Any, skip_special_tokens: bool = True, stop: list[str] | None = None
     ) -> None:
         self.tokenizer = tokenizer
+        self._decode_ids = fast_decode(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self._released: list[str] = []  # the deltas returned so far
@@ -99,7 +110,7 @@ class IncrementalDetokenizer:
         return "".join(self._released) + self._held
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)

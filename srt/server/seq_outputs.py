@@ -71,6 +71,8 @@ class SeqResult:
 def coalesce(outputs: list[TokenOutput]) -> list[TokenOutput]:
     """Outputs of the same sequence folded into one, in order of first arrival: a consumer that
     fell behind by several steps handles (and streams) them as one update, not one each."""
+    if len(outputs) == 1:
+        return outputs
     merged: dict[str, TokenOutput] = {}
     for out in outputs:
         prev = merged.get(out.rid)

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import zmq
-import zmq.asyncio
 
 from srt.errors import InvalidRequest
 from srt.ipc.channels import TO_SCHEDULER, TO_TOKENIZER, Endpoints, Receiver, Sender
@@ -34,6 +33,7 @@ from srt.ipc.messages import (
     Replies,
     StepOutputs,
     TokenOutput,
+    ToTokenizer,
 )
 from srt.ipc.reports import ServerStartup
 from srt.model_config import ModelConfig
@@ -49,9 +49,37 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Requests up to this size are prepared on the event loop (see `prepare`): 16 KiB of text
+# tokenizes in well under a millisecond.
+INLINE_PREPARE_BYTES = 16 * 1024
+
 
 class ServerNotReady(RuntimeError):
     pass
+
+
+class Mailbox:
+    """One `generate` call's token outputs in arrival order: the router puts, the call takes
+    everything that came since it last looked (an asyncio.Queue costs a future per item)."""
+
+    def __init__(self) -> None:
+        self.items: list[TokenOutput] = []
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: TokenOutput) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take_all(self) -> list[TokenOutput]:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
 
 
 class TokenizerManager:
@@ -73,11 +101,12 @@ class TokenizerManager:
         # tokenizer is not safe to use from several at once.
         self.prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="srt-tokenize")
 
-        self.ctx = zmq.asyncio.Context()
+        # Sync sockets: sends never wait (no high-water mark), and the inbox is drained on
+        # the loop's readiness callback (Receiver.recv_all_async).
+        self.ctx = zmq.Context()
         self.inbox = Receiver(self.ctx, endpoints, TO_TOKENIZER)
-        self.sync_ctx = zmq.Context()  # sends never wait (no high-water mark), so stay sync
-        self.to_scheduler = Sender(self.sync_ctx, endpoints, TO_SCHEDULER)
-        self.seq_queues: dict[str, asyncio.Queue[TokenOutput]] = {}
+        self.to_scheduler = Sender(self.ctx, endpoints, TO_SCHEDULER)
+        self.seq_mailboxes: dict[str, Mailbox] = {}
         self.info_waiters: dict[int, asyncio.Future[InfoOutput]] = {}
         self.flush_waiters: deque[asyncio.Future[bool]] = deque()
         self.info_ids = itertools.count()
@@ -104,9 +133,9 @@ class TokenizerManager:
         """The backend is gone (or going): end every request in flight with `reason`; returns
         how many sequences that ended."""
         self.ready, self.failure = False, reason
-        ended = len(self.seq_queues)
-        for rid, queue in self.seq_queues.items():
-            queue.put_nowait(TokenOutput(rid, [], finished_reason="abort", error=reason))
+        ended = len(self.seq_mailboxes)
+        for rid, mailbox in self.seq_mailboxes.items():
+            mailbox.put(TokenOutput(rid, [], finished_reason="abort", error=reason))
         waiters: list[asyncio.Future[Any]] = [*self.info_waiters.values(), *self.flush_waiters]
         for waiter in waiters:
             if not waiter.done():
@@ -118,39 +147,41 @@ class TokenizerManager:
         self.inbox.close()
         self.to_scheduler.close()
         self.ctx.term()
-        self.sync_ctx.term()
 
     # ---- the inbox ------------------------------------------------------------------------
 
     async def handle_outputs(self) -> None:
         """Route everything the scheduler sends back; runs for the life of the server."""
         while True:
-            received = await self.inbox.recv_async()
-            self.timeline.begin()
-            # A step's outputs come packed in one message; replies come together.
-            msgs: list[TokenOutput] | list[TokenOutput | FlushCacheOutput | InfoOutput]
-            if isinstance(received, StepOutputs):
-                msgs = received.unpack()
-            elif isinstance(received, Replies):
-                self.timeline.discard()
-                msgs = received.items
-            else:
-                raise TypeError(f"tokenizer got an unexpected message {type(received).__name__}")
-            for msg in msgs:
-                if isinstance(msg, TokenOutput):
-                    queue = self.seq_queues.get(msg.rid)
-                    if queue is not None:  # else: aborted here, the scheduler's echo
-                        queue.put_nowait(msg)
-                elif isinstance(msg, InfoOutput):
-                    info_waiter = self.info_waiters.pop(msg.req_id, None)
-                    if info_waiter is not None and not info_waiter.done():
-                        info_waiter.set_result(msg)
-                elif isinstance(msg, FlushCacheOutput):
-                    flush_waiter = self.flush_waiters.popleft()
-                    if not flush_waiter.done():
-                        flush_waiter.set_result(msg.success)
-            if isinstance(received, StepOutputs):
-                self.timeline.mark("routed")
+            for received in await self.inbox.recv_all_async():
+                self._route(received)
+
+    def _route(self, received: ToTokenizer) -> None:
+        self.timeline.begin()
+        # A step's outputs come packed in one message; replies come together.
+        msgs: list[TokenOutput] | list[TokenOutput | FlushCacheOutput | InfoOutput]
+        if isinstance(received, StepOutputs):
+            msgs = received.unpack()
+        elif isinstance(received, Replies):
+            self.timeline.discard()
+            msgs = received.items
+        else:
+            raise TypeError(f"tokenizer got an unexpected message {type(received).__name__}")
+        for msg in msgs:
+            if isinstance(msg, TokenOutput):
+                mailbox = self.seq_mailboxes.get(msg.rid)
+                if mailbox is not None:  # else: aborted here, the scheduler's echo
+                    mailbox.put(msg)
+            elif isinstance(msg, InfoOutput):
+                info_waiter = self.info_waiters.pop(msg.req_id, None)
+                if info_waiter is not None and not info_waiter.done():
+                    info_waiter.set_result(msg)
+            elif isinstance(msg, FlushCacheOutput):
+                flush_waiter = self.flush_waiters.popleft()
+                if not flush_waiter.done():
+                    flush_waiter.set_result(msg.success)
+        if isinstance(received, StepOutputs):
+            self.timeline.mark("routed")
 
     def check_ready(self) -> None:
         if not self.ready:
@@ -178,12 +209,18 @@ class TokenizerManager:
 
     # ---- requests -------------------------------------------------------------------------
 
-    async def prepare(self, build: Callable[[RequestFrontend], T]) -> T:
-        """Run `build` (parse, validate, tokenize a request) on the front end, off the event
-        loop: a long prompt takes a while to tokenize, and /health must still answer."""
+    async def prepare(self, build: Callable[[RequestFrontend], T], body_bytes: int | None) -> T:
+        """Run `build` (parse, validate, tokenize a request) on the front end. A large body
+        (or one of unknown size) goes to the tokenizing thread, off the event loop: a long
+        prompt takes a while to tokenize, and /health must still answer. A small one runs
+        here: handing it to the thread and back costs two GIL handoffs, and while the loop
+        is busy streaming, the thread waits up to the switch interval (5 ms) for each, which
+        every new request's first token would wait too."""
         self.check_ready()
         frontend = self.frontend
         assert frontend is not None
+        if body_bytes is not None and body_bytes <= INLINE_PREPARE_BYTES:
+            return build(frontend)
         return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, build, frontend)
 
     def token_text(self, token_id: int) -> str:
@@ -193,7 +230,7 @@ class TokenizerManager:
         """Run prepared sequences; yield each step's update until every one has finished."""
         self.check_ready()
         arrival = time.perf_counter()
-        queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        mailbox = Mailbox()
         base = uuid.uuid4().hex
         rids = [f"{base}-{i}" for i in range(len(seqs))]
         decoders = {
@@ -203,16 +240,13 @@ class TokenizerManager:
         last_seen: dict[str, float] = {}
         pending = set(rids)
         for rid, seq in zip(rids, seqs, strict=True):
-            self.seq_queues[rid] = queue
+            self.seq_mailboxes[rid] = mailbox
             self.to_scheduler.send(GenerateReq(rid, seq.input_ids, seq.params, stream=True))
             self.metrics.prompt_tokens.inc(len(seq.input_ids))
         try:
             while pending:
                 # Everything that has arrived, one update per sequence.
-                arrived = [await queue.get()]
-                while not queue.empty():
-                    arrived.append(queue.get_nowait())
-                for out in coalesce(arrived):
+                for out in coalesce(await mailbox.take_all()):
                     if out.rid not in pending:
                         continue  # a step that was under way when a stop string ended it
                     if out.error is not None:  # the backend died, or the scheduler refused it
@@ -230,14 +264,14 @@ class TokenizerManager:
                         last_seen[out.rid] = now
                     if update.finish_reason is not None:
                         pending.discard(out.rid)
-                        self.seq_queues.pop(out.rid, None)
+                        self.seq_mailboxes.pop(out.rid, None)
                         self.metrics.observe_finish(update.finish_reason, now - arrival)
                         if abort:  # a stop string: the scheduler, seeing only ids, runs it on
                             self.to_scheduler.send(AbortReq(out.rid))
                     yield update
         finally:
             for rid in rids:
-                self.seq_queues.pop(rid, None)
+                self.seq_mailboxes.pop(rid, None)
                 if rid in pending:
                     self.metrics.observe_finish("abort", time.perf_counter() - arrival)
                     if self.failure is None:

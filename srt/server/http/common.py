@@ -89,6 +89,12 @@ async def sse(events: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[by
     yield b"data: [DONE]\n\n"
 
 
+def body_bytes(request: Request) -> int | None:
+    """The request body's declared size (None: not declared, a chunked upload)."""
+    length = request.headers.get("content-length")
+    return int(length) if length is not None and length.isdigit() else None
+
+
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
     """Await `work`, cancelling it (which aborts its sequences) if the client goes away."""
     task = asyncio.ensure_future(work)

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from srt.server.http.common import EventStream, sse, unless_disconnected
+from srt.server.http.common import EventStream, body_bytes, sse, unless_disconnected
 from srt.server.http.openai_protocol import GenerateRequest
 from srt.server.request_frontend import Seq
 from srt.server.seq_outputs import SeqResult
@@ -41,7 +41,8 @@ def native_router(manager: TokenizerManager) -> APIRouter:
     @router.post("/generate")
     async def generate(req: GenerateRequest, request: Request) -> Any:
         single, seqs = await manager.prepare(
-            lambda frontend: frontend.native(req.text, req.input_ids, req.sampling_params)
+            lambda frontend: frontend.native(req.text, req.input_ids, req.sampling_params),
+            body_bytes(request),
         )
         if req.stream:
             return EventStream(sse(native_events(seqs)))

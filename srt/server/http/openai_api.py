@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from srt.errors import InvalidRequest
-from srt.server.http.common import EventStream, sse, unless_disconnected
+from srt.server.http.common import EventStream, body_bytes, sse, unless_disconnected
 from srt.server.http.openai_protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -109,7 +109,8 @@ class OpenAIRoutes:
         seqs = await self.manager.prepare(
             lambda frontend: frontend.seqs(
                 prompts, [params] * len(prompts), req.n, COMPLETION_DEFAULT_MAX_TOKENS, req.names
-            )
+            ),
+            body_bytes(request),
         )
         prompt_tokens = sum(len(s.input_ids) for s in seqs[:: req.n])
         if req.stream:
@@ -164,7 +165,8 @@ class OpenAIRoutes:
         seqs = await self.manager.prepare(
             lambda frontend: frontend.seqs(
                 [frontend.chat_ids(messages)], [params], req.n, None, req.names
-            )
+            ),
+            body_bytes(request),
         )
         if req.stream:
             return EventStream(sse(self.chat_events(seqs, req)))

@@ -1,0 +1,248 @@
+"""The main process alone: how many streamed tokens a second the HTTP front end (tokenizer
+manager, detokenization, event streams) delivers when the steps come at the runner's pace.
+
+    python -m srt.bench.frontend --step-ms 2 --max-concurrency 32 64 128 --output-len 256
+
+A stand-in scheduler process answers every request with one token per step, a step every
+`--step-ms` (the runner's overlapped step at that batch, from `srt.bench.one_batch`), for all
+running requests at once, in the scheduler's own messages. The real tokenizer manager and HTTP
+app serve the streams in this process, loaded by `srt.bench.serving`'s client processes. No
+model runs, so the figures are the front end's: its CPU time per token and per stream event,
+its share of a CPU over the load, and the delivered rate as a fraction of what the steps offer
+(`concurrency / step`). Near 1 the front end keeps up; a front end on a CPU all of the load
+falls behind, batches several steps per event and delays every request's end and start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import math
+import multiprocessing as mp
+import os
+import socket
+import time
+from multiprocessing.synchronize import Event
+from typing import Any
+
+from srt.bench.report import format_table, machine, write_json
+from srt.bench.serving import (
+    LoadWindow,
+    client_processes_for_run,
+    load_from_processes,
+    metrics,
+    random_requests,
+    split_evenly,
+)
+from srt.ipc.channels import TO_SCHEDULER, TO_TOKENIZER, Endpoints, Receiver, Sender
+from srt.ipc.messages import AbortReq, GenerateReq, StepOutputs, TokenOutput
+
+_IDLE_POLL_MS = 50
+
+
+def stand_in_scheduler(endpoints_dir: str, step_s: float, stop: Event) -> None:
+    """Every `step_s`, one token for each running request; a request ends after its
+    `max_new_tokens` ("length"); aborts drop it. What it sends is what the scheduler sends."""
+    import zmq
+
+    endpoints = Endpoints(endpoints_dir)
+    ctx = zmq.Context()
+    inbox = Receiver(ctx, endpoints, TO_SCHEDULER)
+    outbox = Sender(ctx, endpoints, TO_TOKENIZER)
+    running: dict[str, list[int]] = {}  # rid -> [prompt tokens, produced, asked for]
+    next_step = time.perf_counter()
+    while not stop.is_set():
+        while inbox.poll(0 if running else _IDLE_POLL_MS):
+            msg = inbox.recv()
+            if isinstance(msg, GenerateReq):
+                asked = msg.sampling_params.max_new_tokens
+                assert asked is not None, "the front end fills in max_new_tokens"
+                running[msg.rid] = [len(msg.input_ids), 0, asked]
+            elif isinstance(msg, AbortReq):
+                running.pop(msg.rid, None)
+        if not running:
+            next_step = time.perf_counter()
+            continue
+        outputs = []
+        for rid, state in list(running.items()):
+            state[1] += 1
+            done = state[1] >= state[2]
+            token = 3 + state[1] % 200  # ordinary ids of any vocabulary, past the specials
+            outputs.append(
+                TokenOutput(
+                    rid,
+                    [token],
+                    "length" if done else None,
+                    prompt_tokens=state[0],
+                    completion_tokens=state[1],
+                )
+            )
+            if done:
+                del running[rid]
+        outbox.send(StepOutputs.pack(outputs))
+        next_step += step_s
+        time.sleep(max(0.0, next_step - time.perf_counter()))
+        next_step = max(next_step, time.perf_counter() - step_s)  # never a burst to catch up
+
+
+def serve_and_load(ns: argparse.Namespace) -> list[dict[str, Any]]:
+    """The front end in this process (uvloop, as the server runs it) against the stand-in;
+    one load per concurrency, each with fresh prompts."""
+    import uvicorn
+    import uvloop
+
+    from srt.model_config import ModelConfig
+    from srt.server.http.app import create_app
+    from srt.server.tokenizer_manager import TokenizerManager
+    from srt.server_args import ServerArgs
+    from srt.tools.make_tiny_model import resolve_model_path
+
+    args = ServerArgs(model_path=resolve_model_path(ns.model_path), device="cpu")
+    assert args.model_path is not None
+    model_config = ModelConfig.from_path(args.model_path, args.dtype, None)
+    endpoints = Endpoints.create()
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    scheduler = ctx.Process(
+        target=stand_in_scheduler, args=(endpoints.dir, ns.step_ms / 1000, stop), daemon=True
+    )
+    manager = TokenizerManager(args, endpoints, model_config)
+    scheduler.start()
+    manager.load_tokenizer()
+    context = ns.input_len + ns.output_len + 1
+    manager.mark_ready(context, context * max(ns.max_concurrency), None)  # type: ignore[arg-type]
+    sock = socket.create_server(("127.0.0.1", 0))
+    base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(manager), loop="none", log_level="warning", access_log=False)
+    )
+    runs: list[dict[str, Any]] = []
+
+    async def serve() -> None:
+        outputs = asyncio.create_task(manager.handle_outputs())
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        loop = asyncio.get_running_loop()
+        heads: set[tuple[int, ...]] = set()
+        for concurrency in ns.max_concurrency:
+            num = max(ns.min_requests, 8 * concurrency)
+            specs = random_requests(
+                num,
+                ns.input_len,
+                ns.output_len,
+                model_config.vocab_size,
+                seed=f"fe{concurrency}",
+                heads=heads,
+            )
+            # Client processes always (the load's CPU must not count as the front end's).
+            procs = client_processes_for_run(None, concurrency, num, os.cpu_count())
+            shares = [
+                {"max_concurrency": cap, "request_rate": math.inf, "seed": k, "timeout_s": 600.0}
+                for k, cap in enumerate(split_evenly(concurrency, procs))
+            ]
+            window = LoadWindow()
+            cpu = time.process_time()
+            load = await loop.run_in_executor(
+                None,
+                functools.partial(load_from_processes, base_url, specs, shares, window, False),
+            )
+            runs.append(
+                run_figures(
+                    ns,
+                    concurrency,
+                    load.records,
+                    time.process_time() - cpu,
+                    load.wall_s,
+                    load.figures(),
+                )
+            )
+        server.should_exit = True
+        await serving
+        outputs.cancel()
+
+    try:
+        uvloop.run(serve())
+    finally:
+        stop.set()
+        scheduler.join()
+        manager.close()
+        endpoints.remove()
+    return runs
+
+
+def run_figures(
+    ns: argparse.Namespace,
+    concurrency: int,
+    records: list[Any],
+    front_cpu_s: float,
+    wall_s: float,
+    client: dict[str, Any],
+) -> dict[str, Any]:
+    figures = metrics(records)
+    tokens = figures["total_output_tokens"]
+    events = sum(len(r.chunk_times) for r in records if r.ok)
+    offered = concurrency / (ns.step_ms / 1000)
+    return {
+        "max_concurrency": concurrency,
+        "step_ms": ns.step_ms,
+        **figures,
+        "events": events,
+        "tokens_per_event": round(tokens / max(events, 1), 3),
+        "offered_tok_s": round(offered, 1),
+        "of_offered": round(figures["output_throughput"] / offered, 3),
+        "front_cpu_busy": round(front_cpu_s / wall_s, 3),
+        "front_cpu_us_per_token": round(front_cpu_s / max(tokens, 1) * 1e6, 2),
+        "front_cpu_us_per_event": round(front_cpu_s / max(events, 1) * 1e6, 2),
+        **client,
+    }
+
+
+COLUMNS = [
+    ("conc", "max_concurrency"),
+    ("done", "completed"),
+    ("errors", "errors"),
+    ("out tok/s", "output_throughput"),
+    ("offered tok/s", "offered_tok_s"),
+    ("of offered", "of_offered"),
+    ("tok/event", "tokens_per_event"),
+    ("front CPU", "front_cpu_busy"),
+    ("µs/token", "front_cpu_us_per_token"),
+    ("µs/event", "front_cpu_us_per_event"),
+    ("TTFT p50", "ttft_p50"),
+    ("TPOT p50", "tpot_p50"),
+    ("CPU client max", "client_cpu_busy_max"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m srt.bench.frontend",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("--step-ms", type=float, default=2.0, help="The stand-in's step period.")
+    p.add_argument("--max-concurrency", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=256,
+        help="Requests per level, at least (else 8 x the concurrency).",
+    )
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--model-path", default=None, help="Whose tokenizer (default: the tiny one).")
+    p.add_argument("--output-file", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    runs = serve_and_load(ns)
+    for run in runs:
+        run["ttft_p50"], run["tpot_p50"] = run["ttft_ms"]["p50"], run["tpot_ms"]["p50"]
+    if ns.output_file:
+        write_json(ns.output_file, {"machine": machine(), "args": vars(ns), "runs": runs})
+    print(format_table(runs, COLUMNS))
+
+
+if __name__ == "__main__":
+    main()
