@@ -16,6 +16,8 @@
 #                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF)
 #                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists)
 #   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list)
+#   frontend             srt.bench.frontend: the main process alone at a FRONTEND_STEP_MS step
+#                        (default 1.5), and the same for the tree in .baseline if there is one
 #   serving-SHAPE        serving at concurrency 1, 32, 64, 128 (64 requests at 1, 1,024 at the
 #                        others; SERVING_CONCURRENCY overrides), each run against the runner
 #                        ceiling one_batch measures first with the same flags, for 128 prompt
@@ -157,6 +159,16 @@ for stage in "$@"; do
     runner-*) runner "${stage#runner-}" ;;
     cold_start-*) cold_start "${stage#cold_start-}" ;;
     serving-*) serving "${stage#serving-}" ;;
+    frontend)  # the main process alone, against a stand-in scheduler at the runner's step;
+      # with a baseline tree in .baseline (srt/ of an earlier commit), that one too
+      for tree in . .baseline; do
+        [ -d "$tree/srt" ] || continue
+        name=frontend; [ "$tree" = .baseline ] && name=frontend-baseline
+        step "$name" env -C "$tree" PYTHONPATH="/tmp/site:$(realpath "$tree")" \
+          python3 -m srt.bench.frontend --step-ms "${FRONTEND_STEP_MS:-1.5}" \
+          --output-file "$(realpath "$out")/$name.json"
+        tail -n 5 "$work/logs/$name.log"
+      done ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
