@@ -210,12 +210,13 @@ class TokenizerManager:
     # ---- requests -------------------------------------------------------------------------
 
     async def prepare(self, build: Callable[[RequestFrontend], T], body_bytes: int | None) -> T:
-        """Run `build` (parse, validate, tokenize a request) on the front end. A large body
-        (or one of unknown size) goes to the tokenizing thread, off the event loop: a long
-        prompt takes a while to tokenize, and /health must still answer. A small one runs
-        here: handing it to the thread and back costs two GIL handoffs, and while the loop
-        is busy streaming, the thread waits up to the switch interval (5 ms) for each, which
-        every new request's first token would wait too."""
+        """Run `build` (parse, validate, tokenize a request) on the front end. Work of
+        unbounded cost (`body_bytes` None: a chat template, a body of unknown size) and a
+        large body go to the tokenizing thread, off the event loop: a long prompt takes a
+        while to tokenize, and /health must still answer. A small body whose work is its
+        tokenization runs here: handing it to the thread and back costs two GIL handoffs,
+        and while the loop is busy streaming, the thread waits up to the switch interval
+        (5 ms) for each, which every new request's first token would wait too."""
         self.check_ready()
         frontend = self.frontend
         assert frontend is not None

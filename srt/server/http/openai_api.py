@@ -166,7 +166,7 @@ class OpenAIRoutes:
             lambda frontend: frontend.seqs(
                 [frontend.chat_ids(messages)], [params], req.n, None, req.names
             ),
-            body_bytes(request),
+            None,  # a chat template is code, whose cost the body's size does not bound
         )
         if req.stream:
             return EventStream(sse(self.chat_events(seqs, req)))
