@@ -354,6 +354,10 @@ class Toy(nn.Module):
             x = x * 2
         if self.flaw == "graph_break":
             torch._dynamo.graph_break()
+        if self.flaw == "squeeze":  # [T, 8] for T > 1, [8] for one token
+            x = x[:, None, :].squeeze()
+        if self.flaw == "squeeze_named":  # a fixed dimension named: the same for every T
+            x = x[:, None, :].squeeze(1)
         return self.proj(x)
 
 
@@ -378,6 +382,23 @@ def test_a_branch_on_a_single_token_fails_the_trace(tmp_path: Path) -> None:
     model = toy_model(tmp_path, "one_token_branch")
     with pytest.raises(ShapeSpecializationError, match=r"from 1 to 64 .*`Eq\(s\d+, 1\)`, False"):
         model.trace(*tokens(8))
+
+
+def test_an_operator_deciding_on_a_single_token_fails_the_trace(tmp_path: Path) -> None:
+    # squeeze() decides by itself whether the token dimension is 1: the general graph keeps
+    # it (Dynamo's symbol starts at 2), while eager PyTorch drops it for one token.
+    toy = Toy("squeeze")
+    assert toy(*tokens(1)).shape == (8,) and toy(*tokens(3)).shape == (3, 8)
+    model = toy_model(tmp_path, "squeeze")
+    with pytest.raises(ShapeSpecializationError, match=r"`squeeze` may drop dimension 0") as e:
+        model.trace(*tokens(8))
+    assert "test_compilation_piecewise.py" in str(e.value) and "x[:, None, :].squeeze()" in str(
+        e.value
+    )
+    named = toy_model(tmp_path, "squeeze_named")  # squeeze(1): fixed, so it traces
+    named.trace(*tokens(8))
+    dispatcher = BucketDispatcher(named.general("eager"))
+    torch.testing.assert_close(named(*tokens(1), dispatcher, None), named.model(*tokens(1)))
 
 
 def test_a_graph_break_fails_the_trace(tmp_path: Path) -> None:
