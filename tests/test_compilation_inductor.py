@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import stat
@@ -26,6 +27,7 @@ from compile_helpers import greedy_ids, max_logit_error, tc_engine
 
 from srt import Engine
 from srt.compilation.cache import pack_artifact, unpack_artifact
+from srt.compilation.cache_root import TOOL_CACHE_DIRS
 from srt.compilation.piecewise_model import PiecewiseModel
 
 
@@ -195,6 +197,12 @@ with tc_engine(Path(sys.argv[1]), Path(sys.argv[2]), "inductor") as eng:
 """
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment as a fresh start has it: without the tool cache locations
+    srt set here (a child would take them as set at launch, and use another root's)."""
+    return {k: v for k, v in os.environ.items() if k not in TOOL_CACHE_DIRS}
+
+
 def warm_start_in_a_child(model: Path, root: Path) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-c", WARM_START, str(model), str(root)],
@@ -202,12 +210,13 @@ def warm_start_in_a_child(model: Path, root: Path) -> dict[str, Any]:
         text=True,
         timeout=600,
         cwd=Path(__file__).parent.parent,
+        env=child_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_damaged_inductor_output_is_rebuilt_not_loaded(
+def test_damaged_inductor_output_and_headers_are_rebuilt_not_loaded(
     tiny_llama: Path,
     cold: Engine,
     reference: list[list[int]],
@@ -216,18 +225,134 @@ def test_damaged_inductor_output_is_rebuilt_not_loaded(
     root = copy_of_the_cache(cold, tmp_path)
     inductor = next(root.glob("*/inductor"))
     kernels = sorted(inductor.glob("*/*.so"))
-    assert kernels
-    for so in kernels:  # truncated C++ builds: dlopen of one is a crash, not an exception
-        so.write_bytes(so.read_bytes()[:4096])
+    assert len(kernels) > 1
+
+    def damage() -> None:  # truncated C++ builds: dlopen of one is a crash, not an exception
+        for so in kernels:
+            so.write_bytes(so.read_bytes()[:4096])
+
+    damage()
     stray = inductor / "zz" / "czzz.main.so"  # a build this cache never recorded
     stray.parent.mkdir()
     stray.write_bytes(kernels[0].read_bytes())
+    outside = tmp_path / "outside.so"  # a kernel replaced by a link to a damaged file
+    outside.write_bytes(kernels[1].read_bytes())
+    kernels[1].unlink()
+    kernels[1].symlink_to(outside)
     damaged = warm_start_in_a_child(tiny_llama, root)
     assert damaged["ids"] == reference
-    [removed] = [w for w in damaged["warnings"] if "did not write or that changed" in w]
-    assert f"removed {len(kernels) + 1} file(s)" in removed
-    again = warm_start_in_a_child(tiny_llama, root)  # and the rebuilt files are trusted
-    assert again == {"ids": reference, "hit": True, "warnings": []}
+    [removed] = [w for w in damaged["warnings"] if "did not write, that changed" in w]
+    assert f"removed {len(kernels) + 1} file(s)" in removed and "are links" in removed
+    assert not kernels[1].is_symlink()
+    # Rebuilding the kernels needed the shared precompiled header: now it is there. Cut it
+    # short (a full disk, a copy): Inductor would trust it and fail every C++ compile.
+    [header] = root.glob("inductor/precompiled_headers/*.gch")
+    header.write_bytes(header.read_bytes()[:4096])
+    damage()
+    again = warm_start_in_a_child(tiny_llama, root)
+    assert again["ids"] == reference and again["hit"] is True
+    assert any("removed 1 precompiled header file(s)" in w for w in again["warnings"])
+    assert header.stat().st_size > 4096
+
+
+def test_a_restart_with_another_context_length_recompiles(
+    tiny_llama: Path,
+    cold: Engine,
+    reference: list[list[int]],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Past max_position_embeddings (2048): larger rotary tables, which the pieces close over.
+    # In a root whose path has spaces, which Inductor's build commands cannot take.
+    root = tmp_path / "a root with spaces"
+    shutil.copytree(Path(compile_info(cold)["cache_dir"]).parent, root)
+    with caplog.at_level(logging.WARNING, logger="srt.compilation"):
+        with tc_engine(tiny_llama, root, "inductor", context_length=4096) as longer:
+            info = compile_info(longer)
+            assert greedy_ids(longer) == reference
+    assert info["cache_hit"] is False and sources(info) == ["compiled"] * 3
+    entry = Path(info["cache_dir"])
+    assert entry.parent == root and entry.name != Path(compile_info(cold)["cache_dir"]).name
+    assert "Inductor builds in" in caplog.text
+    factors = json.loads((entry / "factors.json").read_text())
+    assert factors["config"]["model"]["context_length"] == 4096
+
+
+def test_a_warm_start_without_a_cpp_compiler_says_why(
+    tiny_llama: Path, cold: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch._inductor.cpp_builder import cpp_compiler_search
+
+    from srt.compilation.errors import CompilerMissingError
+
+    root = copy_of_the_cache(cold, tmp_path)
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.delenv("CXX", raising=False)
+    cpp_compiler_search.cache_clear()  # Inductor remembers the compiler it found
+    try:
+        with pytest.raises(CompilerMissingError, match=r"needs a C\+\+ compiler at every start"):
+            tc_engine(tiny_llama, root, "inductor")
+    finally:
+        cpp_compiler_search.cache_clear()
+
+
+READ_ONLY_STARTS = """
+import json, logging, sys
+from pathlib import Path
+sys.path.insert(0, "tests")
+from compile_helpers import greedy_ids, tc_engine
+from srt import Engine
+from srt.compilation.cache import CompileCache
+from srt.compilation.cache_key import CacheFactors
+records = []
+handler = logging.Handler()
+handler.emit = lambda r: records.append(r.getMessage())
+logging.getLogger("srt.compilation").addHandler(handler)
+logging.getLogger("srt.compilation").setLevel(logging.WARNING)
+model, root = Path(sys.argv[1]), Path(sys.argv[2])
+options = {"model_path": str(model), "device": "cpu", "dtype": "float32"}
+with Engine(compile_cache_dir=str(root), **options) as eng:
+    plain = greedy_ids(eng)  # compiles nothing
+with tc_engine(model, root, "inductor") as eng:
+    info = eng.get_server_info()["compile"]
+    warm = {"ids": greedy_ids(eng), "hit": info["cache_hit"], "dir": info["cache_dir"]}
+other = CompileCache(root, CacheFactors({}, {"another": "config"}, "code", {}))
+print(json.dumps({"plain": plain, "warm": warm, "other": str(other.dir), "warnings": records}))
+"""
+
+
+def test_a_read_only_root_is_used_as_it_is(
+    tiny_llama: Path, cold: Engine, reference: list[list[int]], tmp_path: Path
+) -> None:
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare and root, to mount the cache read-only for a child")
+    source = copy_of_the_cache(cold, tmp_path)
+    mounted = tmp_path / "read-only"
+    mounted.mkdir()
+    script = (
+        f"mount --bind {source} {mounted} && mount -o remount,bind,ro {mounted} && "
+        f'exec "$0" -c "$1" {tiny_llama} {mounted}'
+    )
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, sys.executable, READ_ONLY_STARTS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parent.parent,
+        env=child_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["plain"] == reference
+    assert result["warm"]["ids"] == reference and result["warm"]["hit"] is True
+    assert Path(result["warm"]["dir"]).parent == mounted  # its entry, used where it is
+    assert not Path(result["other"]).is_relative_to(mounted)  # no entry: a temporary cache
+    warnings = result["warnings"]
+    assert any(f"compile cache root {mounted} is read-only" in w for w in warnings)
+    assert any("has no entry for this configuration" in w for w in warnings)
+    assert [w for w in warnings if "file(s)" in w] == []  # the copied builds are all vouched for
 
 
 def test_every_file_and_directory_the_cache_writes_is_private(

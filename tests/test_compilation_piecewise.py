@@ -5,6 +5,7 @@ errors for models that cannot be traced once."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import shutil
@@ -286,6 +287,105 @@ def test_cache_key_follows_dtype_and_layer_count(
     assert len(dirs) == 3 and all(Path(d).parent == cache_root for d in dirs)
 
 
+# A different value of each option in the key: a start that changes one must miss.
+OPTION_CHANGES = {
+    "context_length": 4096,  # past max_position_embeddings: larger rotary tables
+    "tp_size": 2,
+    "max_running_requests": 64,
+    "max_prefill_tokens": 4096,
+    "enable_torch_compile": True,
+    "torch_compile_max_bs": 8,
+    "keep_shape_guards": True,
+}
+# Options that reach the graph as this process resolves them.
+RESOLVED_CHANGES = {
+    "dtype": "bfloat16",
+    "attention_backend": "triton",
+    "cuda_graph_backend_decode": "full",
+    "cuda_graph_tc_compiler": "eager",
+    "cuda_graph_config": '{"prefill": {"backend": "disabled"}}',
+}
+# Options that cannot reach a graph: a restart that changes one still hits.
+UNSEEN_CHANGES = {
+    "port": 31000,
+    "host": "0.0.0.0",
+    "api_key": "secret-key",
+    "log_level": "debug",
+    "seed": 7,
+    "max_total_tokens": 1000,
+    "cuda_graph_bs_decode": [1, 2],
+    "cuda_graph_capture": "upfront",
+    "compile_cache_dir": "/elsewhere",
+    "enable_mixed_chunk": True,
+    "skip_warmup": True,
+}
+
+
+def setup_factors(
+    model: Path, missing: str | None = "no kernels on cpu", rank: int = 0, **changes: object
+) -> CacheFactors:
+    """The compile cache factors of a CPU runner started with `changes`, resolved as the
+    runner resolves them (nothing is built or compiled)."""
+    from srt.model_config import ModelConfig
+    from srt.model_executor.graphs.config import resolve_graph_config
+    from srt.model_executor.runner_setup import attention_backend_name, compile_cache_factors
+    from srt.models.llama import LlamaForCausalLM
+    from srt.op_selection import resolve_custom_ops
+    from srt.server_args import ServerArgs
+    from srt.tp_rank import TPRank
+
+    options = {
+        "model_path": str(model),
+        "device": "cpu",
+        "cuda_graph_backend_prefill": "tc_piecewise",
+        "cuda_graph_backend_decode": "tc_piecewise",
+        "cuda_graph_tc_compiler": "inductor",
+        **changes,
+    }
+    args = ServerArgs(**options)  # type: ignore[arg-type]
+    config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
+    device = torch.device(args.resolved_device())
+    return compile_cache_factors(
+        args,
+        config,
+        Path(inspect.getfile(LlamaForCausalLM)),
+        device,
+        attention_backend_name(args, device.type),
+        resolve_graph_config(args, device.type),
+        resolve_custom_ops(args.custom_ops, missing),
+        TPRank(rank, args.tp_size),
+        inductor=True,
+    )
+
+
+def test_every_option_that_reaches_the_graph_changes_the_key(tiny_llama: Path) -> None:
+    import dataclasses
+
+    from srt.model_executor.runner_setup import NOT_IN_COMPILE_KEY
+    from srt.server_args import ServerArgs
+
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    assert set(NOT_IN_COMPILE_KEY) <= names  # no stale entry
+    # Every option in the key has a change to try here: a new one fails this line until it has.
+    assert set(OPTION_CHANGES) == names - set(NOT_IN_COMPILE_KEY)
+    assert set(RESOLVED_CHANGES) | set(UNSEEN_CHANGES) <= set(NOT_IN_COMPILE_KEY)
+    base = setup_factors(tiny_llama).key()
+    assert setup_factors(tiny_llama).key() == base
+    for name, value in {**OPTION_CHANGES, **RESOLVED_CHANGES}.items():
+        assert setup_factors(tiny_llama, **{name: value}).key() != base, name
+    for name, value in UNSEEN_CHANGES.items():
+        factors = setup_factors(tiny_llama, **{name: value})
+        assert factors.key() == base, name
+        assert "secret-key" not in json.dumps(dataclasses.asdict(factors), default=str)
+    # Resolved here as on a GPU, where the kernels run: the layer ops' choice shapes the graph.
+    kernels = setup_factors(tiny_llama, missing=None).key()
+    assert setup_factors(tiny_llama, missing=None, custom_ops=["none"]).key() != kernels
+    assert (
+        setup_factors(tiny_llama, tp_size=2, rank=1).key()
+        != setup_factors(tiny_llama, tp_size=2).key()
+    )
+
+
 def test_cache_key_follows_compiler_settings_not_tool_locations(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -354,6 +454,10 @@ class Toy(nn.Module):
             x = x * 2
         if self.flaw == "graph_break":
             torch._dynamo.graph_break()
+        if self.flaw == "squeeze":  # [T, 8] for T > 1, [8] for one token
+            x = x[:, None, :].squeeze()
+        if self.flaw == "squeeze_named":  # a fixed dimension named: the same for every T
+            x = x[:, None, :].squeeze(1)
         return self.proj(x)
 
 
@@ -378,6 +482,23 @@ def test_a_branch_on_a_single_token_fails_the_trace(tmp_path: Path) -> None:
     model = toy_model(tmp_path, "one_token_branch")
     with pytest.raises(ShapeSpecializationError, match=r"from 1 to 64 .*`Eq\(s\d+, 1\)`, False"):
         model.trace(*tokens(8))
+
+
+def test_an_operator_deciding_on_a_single_token_fails_the_trace(tmp_path: Path) -> None:
+    # squeeze() decides by itself whether the token dimension is 1: the general graph keeps
+    # it (Dynamo's symbol starts at 2), while eager PyTorch drops it for one token.
+    toy = Toy("squeeze")
+    assert toy(*tokens(1)).shape == (8,) and toy(*tokens(3)).shape == (3, 8)
+    model = toy_model(tmp_path, "squeeze")
+    with pytest.raises(ShapeSpecializationError, match=r"`squeeze` may drop dimension 0") as e:
+        model.trace(*tokens(8))
+    assert "test_compilation_piecewise.py" in str(e.value) and "x[:, None, :].squeeze()" in str(
+        e.value
+    )
+    named = toy_model(tmp_path, "squeeze_named")  # squeeze(1): fixed, so it traces
+    named.trace(*tokens(8))
+    dispatcher = BucketDispatcher(named.general("eager"))
+    torch.testing.assert_close(named(*tokens(1), dispatcher, None), named.model(*tokens(1)))
 
 
 def test_a_graph_break_fails_the_trace(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -19,8 +20,8 @@ import pytest
 import torch
 from torch import fx
 
-from srt.compilation import cache as cache_module
 from srt.compilation import cache_key
+from srt.compilation import cache_root as cache_module
 from srt.compilation.bucket_manifest import BucketManifest
 from srt.compilation.cache import CompileCache
 from srt.compilation.cache_key import CacheFactors, collect_factors
@@ -291,7 +292,7 @@ def test_tool_caches_go_under_the_root_unless_set_at_launch(
         cache_module, "LAUNCH_TOOL_CACHE_DIRS", dict.fromkeys(cache_module.TOOL_CACHE_DIRS)
     )
     cache = CompileCache(tmp_path / "root", factors())
-    root = cache.root
+    root = cache.root.path
     assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
     assert {stat.S_IMODE((root / d).stat().st_mode) for d in ("triton", "inductor")} == {0o700}
@@ -310,10 +311,10 @@ def test_tool_caches_go_under_the_root_unless_set_at_launch(
     user = str(tmp_path / "mine")
     monkeypatch.setenv("TRITON_CACHE_DIR", user)
     monkeypatch.setitem(cache_module.LAUNCH_TOOL_CACHE_DIRS, "TRITON_CACHE_DIR", user)
-    with caplog.at_level(logging.INFO, logger="srt.compilation.cache"):
+    with caplog.at_level(logging.INFO, logger="srt.compilation"):
         other = CompileCache(tmp_path / "other", factors())
-    assert os.environ["TRITON_CACHE_DIR"] == user and not (other.root / "triton").exists()
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(other.root / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == user and not (other.root.path / "triton").exists()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(other.root.path / "inductor")
     assert f"TRITON_CACHE_DIR={user} as set at launch" in caplog.text
 
 
@@ -327,10 +328,12 @@ def test_every_path_of_an_entry_is_private(tmp_path: Path) -> None:
         sub.mkdir(mode=0o755)
         (sub / "cab.so").write_bytes(b"so")
         (sub / "cab.so").chmod(0o755)
-    paths = [cache.root, *cache.root.rglob("*")]
-    modes = {p.relative_to(cache.root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in paths}
+    paths = [cache.root.path, *cache.root.path.rglob("*")]
+    modes = {
+        p.relative_to(cache.root.path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in paths
+    }
     assert {
-        p: m for p, m in modes.items() if m != (0o700 if (cache.root / p).is_dir() else 0o600)
+        p: m for p, m in modes.items() if m != (0o700 if (cache.root.path / p).is_dir() else 0o600)
     } == {}
     assert {"entry.lock", "manifest.json.lock", "inductor-files.json", "factors.json"} <= {
         Path(p).name for p in modes
@@ -377,3 +380,114 @@ def test_piece_signatures_follow_argument_shapes_strides_and_dtypes() -> None:
     assert sig(x, torch.empty(32, 8)) != sig(x, w)  # a wider layer: another kernel
     assert sig(x, torch.empty(8, 16).t()) != sig(x, w)  # same shape, transposed weight
     assert sig(x, w.half()) != sig(x, w)
+
+
+# ---- the root: resolved once, unusual paths; links; the shared precompiled header -------------
+
+
+def test_a_relative_root_is_resolved_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._inductor import codecache
+
+    for name in ("_HEADER_DIR", "_HEADER_LOCK_DIR", "_precompile_header"):
+        monkeypatch.setattr(codecache, name, getattr(codecache, name))
+    monkeypatch.chdir(tmp_path)
+    cache = CompileCache(Path("relative"), factors())
+    root = tmp_path / "relative"
+    assert cache.root.path == root and cache.headers_dir.is_absolute()
+    monkeypatch.chdir(cache.inductor_dir)  # Inductor runs its compiler in other directories
+    with cache.inductor_session():
+        assert Path(codecache._HEADER_DIR) == root / "inductor" / "precompiled_headers"
+    assert not (cache.inductor_dir / "relative").exists()
+
+
+def test_a_root_with_a_space_builds_in_a_private_directory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        cache = CompileCache(tmp_path / "my cache" / "root", factors())
+    assert cache.dir == tmp_path / "my cache" / "root" / cache.key  # artifacts stay there
+    builds = cache.root.builds
+    assert " " not in str(builds) and cache.inductor_dir == builds / cache.key / "inductor"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(builds / "inductor")
+    assert stat.S_IMODE(builds.stat().st_mode) == 0o700 and not builds.is_symlink()
+    assert f"Inductor builds in {builds} instead" in caplog.text
+    save(cache, "piece", b"code")
+    assert load(cache, "piece") == b"code"
+
+
+def test_links_inside_an_entry_are_removed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ours, theirs = CompileCache(tmp_path, factors()), CompileCache(tmp_path, factors({"m": 2}))
+    for cache, code in ((ours, b"ours"), (theirs, b"theirs")):
+        with cache.inductor_session():
+            (cache.inductor_dir / "ab").mkdir()
+            (cache.inductor_dir / "ab" / "cab.main.so").write_bytes(code)
+            (cache.inductor_dir / "cd").mkdir()
+            (cache.inductor_dir / "cd" / "ccd.py").write_text("code = 1\n")
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (outside / "damaged.so").write_bytes(b"\x7fELF")
+    kernel = ours.inductor_dir / "ab" / "cab.main.so"
+    kernel.unlink()
+    kernel.symlink_to(theirs.inductor_dir / "ab" / "cab.main.so")  # another entry's, valid
+    (ours.inductor_dir / "ef").mkdir()
+    (ours.inductor_dir / "ef" / "cef.main.so").symlink_to(outside / "damaged.so")
+    shutil.rmtree(ours.inductor_dir / "cd")
+    (ours.inductor_dir / "cd").symlink_to(theirs.inductor_dir / "cd")  # a linked directory
+    save(theirs, "piece", b"their code")
+    ours.artifact_path("piece").symlink_to(theirs.artifact_path("piece"))
+    with caplog.at_level(logging.WARNING), ours.inductor_session():
+        leftover = [p for p in ours.inductor_dir.rglob("*") if p.is_symlink()]
+        assert leftover == [] and not kernel.exists() and not (ours.inductor_dir / "cd").exists()
+    assert "removed 3 file(s)" in caplog.text and "are links" in caplog.text
+    assert (theirs.inductor_dir / "ab" / "cab.main.so").read_bytes() == b"theirs"  # untouched
+    assert (outside / "damaged.so").exists()
+    with caplog.at_level(logging.WARNING):
+        assert load(ours, "piece") is None
+    assert "a symbolic link" in caplog.text and not ours.artifact_path("piece").is_symlink()
+    assert load(theirs, "piece") == b"their code"
+
+
+def test_a_damaged_precompiled_header_is_removed_and_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import functools
+
+    from torch._inductor import codecache
+
+    builds: list[str] = []
+
+    @functools.cache
+    def precompile_header(header: str, cmd_line: str) -> str:  # as Inductor's, memoised
+        path = Path(codecache._HEADER_DIR) / "cab.h"
+        if not (path.parent / "cab.h.gch").exists():  # Inductor trusts any file of the name
+            builds.append(header)
+            path.write_text(f"#include <{header}>\n")
+            (path.parent / "cab.h.gch").write_bytes(b"gpch" + bytes(4096))
+        return str(path)
+
+    for name in ("_HEADER_DIR", "_HEADER_LOCK_DIR"):
+        monkeypatch.setattr(codecache, name, getattr(codecache, name))
+    monkeypatch.setattr(codecache, "_precompile_header", precompile_header)
+    cache = CompileCache(tmp_path, factors())
+
+    def compile_once() -> Path:
+        with cache.inductor_session():
+            return Path(codecache._precompile_header("torch/prefix.h", "g++ -O3"))
+
+    header = compile_once()
+    assert builds == ["torch/prefix.h"] and header.parent == cache.headers_dir
+    assert compile_once() == header and len(builds) == 1  # indexed, so trusted: not rebuilt
+    gch = header.with_name("cab.h.gch")
+    gch.write_bytes(gch.read_bytes()[:100])  # cut short: a full disk, a copy
+    (cache.headers_dir / "cxy.h.gch").write_bytes(b"gp")  # a build whose process died
+    with caplog.at_level(logging.WARNING):
+        compile_once()
+    assert len(builds) == 2 and gch.stat().st_size == 4100  # built again, whole
+    assert "removed 2 precompiled header file(s)" in caplog.text
+    assert not (cache.headers_dir / "cxy.h.gch").exists()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        compile_once()
+    assert caplog.text == "" and len(builds) == 2

@@ -13,7 +13,11 @@ a light one (`compile_info`, `private_files`) does not pay for torch and Dynamo.
 - `piece_compiler`: a piece compiled once for the general shape, `eager` or `inductor`.
 - `dispatch`: per piece, per bucket states and the `Specializer` hook (CUDA graphs plug in).
 - `cache`: the compile cache (`CompileCache`): an entry's directory, checked artifacts,
-  Inductor's session and its file index, the tools' cache locations.
+  Inductor's session and its file index.
+- `cache_root`: the root, resolved once (`open_cache_root`): read-only roots, paths Inductor
+  cannot build in, the tools' cache locations.
+- `file_index`: `FileIndex`, what a tool built and the cache vouches for (no links).
+- `precompiled_headers`: Inductor's shared C++ precompiled headers, built under a lock, checked.
 - `cache_key`: the cache key (`CacheFactors`, `collect_factors`): environment, config, code,
   compiler.
 - `bucket_manifest`: `BucketManifest`, the buckets an entry has seen, per phase.

@@ -112,6 +112,67 @@ def check_token_guards(
         )
 
 
+# Operators that decide by themselves whether a dimension is 1: squeeze with no dimension
+# drops every size-1 dimension, and with one it drops it only if its size is 1.
+SQUEEZES = {"squeeze", "squeeze_", torch.squeeze, torch.Tensor.squeeze, torch.Tensor.squeeze_}
+
+
+def _squeezed_dims(node: fx.Node, ndim: int) -> list[int]:
+    """The dimensions a squeeze node may drop (every one when it names none)."""
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dim is None:
+        return list(range(ndim))
+    dims = dim if isinstance(dim, tuple | list) else [dim]
+    return [d % ndim for d in dims if isinstance(d, int)]
+
+
+def _symbolic(size: int | torch.SymInt) -> bool:
+    """Whether a size is the token count (an expression of it), not a constant."""
+    return isinstance(size, torch.SymInt) and bool(size.node.expr.free_symbols)
+
+
+def _source_line(node: fx.Node) -> str:
+    """Where the traced code called `node`: the last frame of its stack trace."""
+    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
+    lines = [line for line in lines if line]
+    frames = [i for i, line in enumerate(lines) if line.startswith("File ")]
+    if not frames:
+        return "unknown location"
+    last = frames[-1]
+    code = lines[last + 1] if last + 1 < len(lines) else ""
+    return f"{lines[last]}: `{code}`" if code else lines[last]
+
+
+def check_size_one_ops(gm: fx.GraphModule) -> None:
+    """Raise for an operator whose result depends on whether a token-count dimension is 1
+    (`x.squeeze()` on a [T, 1, H] tensor gives [T, H], and [H] for one token). Dynamo's token
+    symbol starts at 2, so such an operator is traced for the general count, guard-free, and
+    the general graph then serves one token with the other shape: Inductor compiles it the
+    general way, and eager PyTorch, for one token, the other."""
+    problems = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_method", "call_function") or node.target not in SQUEEZES:
+            continue
+        arg = node.args[0] if node.args else None
+        value = arg.meta.get("example_value") if isinstance(arg, fx.Node) else None
+        if not isinstance(value, torch.Tensor):
+            continue
+        token_dims = [d for d in _squeezed_dims(node, value.dim()) if _symbolic(value.shape[d])]
+        if token_dims:
+            name = getattr(node.target, "__name__", node.target)
+            problems.append(
+                f"`{name}` may drop dimension {token_dims[0]} of a {tuple(value.shape)} tensor, "
+                f"the token count ({_source_line(node)})"
+            )
+    if problems:
+        raise ShapeSpecializationError(
+            "the model forward has an operator that decides by itself whether the token count "
+            "is 1, so one graph cannot serve every batch size: "
+            f"{'; '.join(problems)}. Name the dimensions it may drop (squeeze(dim) on a "
+            "dimension whose size is fixed), or reshape to the shape meant."
+        )
+
+
 def _piece_args(
     split: SplitGraph, example_inputs: Sequence[Any], fake_mode: FakeTensorMode
 ) -> dict[str, tuple[Any, ...]]:
@@ -176,6 +237,7 @@ class PiecewiseBackend:
             "Dynamo calls its backend with fake inputs of a dynamic-shape trace"
         )
         check_token_guards(fake_mode.shape_env, self.max_tokens, self.decisions)
+        check_size_one_ops(gm)
         split = split_graph(gm)
         logger.info(
             "split at %s: %d compilable pieces, %d split regions",

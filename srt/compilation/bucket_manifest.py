@@ -15,10 +15,12 @@ logger = logging.getLogger(__name__)
 class BucketManifest:
     """The buckets actually hit, per phase, across runs and across the processes that share
     the entry: each new bucket is merged into the file under a lock (so two servers never
-    drop each other's), and the file is replaced atomically."""
+    drop each other's), and the file is replaced atomically. A read-only one (on a read-only
+    cache root) is read, and what this process hits is kept in memory only."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, read_only: bool = False) -> None:
         self.path = path
+        self.read_only = read_only
         self.buckets: dict[str, list[int]] = self._read()
 
     def _read(self) -> dict[str, list[int]]:
@@ -33,6 +35,9 @@ class BucketManifest:
 
     def record(self, phase: str, bucket: int) -> None:
         if bucket in self.buckets.get(phase, ()):
+            return
+        if self.read_only:
+            self.buckets[phase] = sorted({*self.buckets.get(phase, []), bucket})
             return
         with locked(self.path.with_name(self.path.name + ".lock")):
             merged = self._read()  # with what other processes recorded meanwhile

@@ -3,10 +3,10 @@
 Layout, everything private to the user (directories 0700, files 0600, Inductor's own files
 included; a root that already exists with a looser mode is used, with a warning):
 
-    <root>/                     --compile-cache-dir (default ~/.cache/srt/compile)
+    <root>/                     --compile-cache-dir (default ~/.cache/srt/compile), resolved once
       triton/                   TRITON_CACHE_DIR: Triton's kernel cache, shared by every entry
       inductor/                 TORCHINDUCTOR_CACHE_DIR outside a session, shared by every entry
-        precompiled_headers/    Inductor's C++ precompiled headers (else under $TMPDIR)
+        precompiled_headers/    Inductor's C++ precompiled headers, checked (`precompiled_headers`)
       <key>/                    one entry per cache key (`cache_key`)
         factors.json            the four factors the key hashes (read it to see why a key changed)
         computation_graph.py    the split graph as readable Python, every piece named
@@ -18,16 +18,19 @@ included; a root that already exists with a looser mode is used, with a warning)
         entry.lock              held while compiling or loading pieces (one process at a time)
         manifest.json.lock      held while a process merges a bucket into the manifest
 
+(`inductor/` and the entries' `inductor/` are under the root's build directory, which is the
+root itself unless the root is read-only or its path has a space: `cache_root`.)
+
 Nothing is loaded that this cache did not write for this entry: an artifact written for
-another entry or another piece, damaged, or failing to load is logged, removed and
-recompiled; a file in Inductor's directory that the index does not vouch for is removed and
-rebuilt.
+another entry or another piece, damaged, a link, or failing to load is logged, removed and
+recompiled; a file in Inductor's directory that the index does not vouch for, and every link
+there, is removed and rebuilt (`file_index`).
 
 Triton's cache and Inductor's precompiled headers are shared across entries: both are
-content-addressed by their tools (a new config reuses what an old one built), and neither
-can crash the process (Triton replaces its files atomically; the C++ compiler checks a
-precompiled header and ignores one that does not match). A variable the user set when
-launching (`TRITON_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`) is respected, and the log says so.
+content-addressed by their tools (a new config reuses what an old one built); Triton replaces
+its files atomically, and the headers are built under a lock and checked against an index. A
+variable the user set when launching (`TRITON_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`) is
+respected, and the log says so.
 """
 
 from __future__ import annotations
@@ -36,10 +39,9 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,56 +50,20 @@ import torch
 
 from srt.compilation.bucket_manifest import BucketManifest
 from srt.compilation.cache_key import CacheFactors
+from srt.compilation.cache_root import (
+    FLAG,
+    CacheRoot,
+    open_cache_root,
+    point_tool_caches,
+    scratch_dir,
+)
+from srt.compilation.file_index import FileIndex
+from srt.compilation.precompiled_headers import use_precompiled_headers
 from srt.compilation.private_files import locked, make_private_dir, write_private
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# The tools' cache locations, as the process was launched: srt points them under the compile
-# cache root only where the user left them unset (it sets them itself later in the process,
-# and Inductor writes its default into TORCHINDUCTOR_CACHE_DIR on first use).
-TOOL_CACHE_DIRS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
-LAUNCH_TOOL_CACHE_DIRS = {name: os.environ.get(name) for name in TOOL_CACHE_DIRS}
-
-
-def default_cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "srt" / "compile"
-
-
-def point_tool_caches(root: Path) -> dict[str, str]:
-    """Point Triton's and Inductor's caches under `root` (`<root>/triton`, `<root>/inductor`)
-    for this process, each unless the user set it at launch; returns where each now is.
-    Both tools read the variable when they compile (Triton per kernel, Inductor per cache
-    access), so setting it before the first compile is enough."""
-    where = {}
-    for name, sub in TOOL_CACHE_DIRS.items():
-        chosen = LAUNCH_TOOL_CACHE_DIRS[name]
-        if chosen:
-            logger.info("compile cache: %s=%s as set at launch (not under %s)", name, chosen, root)
-        else:
-            chosen = str(make_private_dir(root / sub))
-            os.environ[name] = chosen
-        where[name] = chosen
-    return where
-
-
-def point_precompiled_headers(directory: Path) -> None:
-    """Have Inductor build its C++ precompiled headers in `directory`. Inductor puts them
-    under `$TMPDIR` whatever TORCHINDUCTOR_CACHE_DIR says (a module constant, computed at its
-    import, in torch 2.11 and 2.13), so a new machine or a cleaned /tmp rebuilds them; the
-    constant is read on each use, so setting it before the first compile moves them."""
-    from torch._inductor import codecache
-
-    if not hasattr(codecache, "_HEADER_DIR"):
-        logger.warning(
-            "compile cache: this torch keeps Inductor's precompiled headers elsewhere; they "
-            "stay where torch puts them"
-        )
-        return
-    codecache._HEADER_DIR = str(make_private_dir(directory))
-    codecache._HEADER_LOCK_DIR = str(make_private_dir(directory / "locks"))
 
 
 # An artifact file is one unit: a magic line, the header's length (8 bytes, big-endian), the
@@ -120,56 +86,60 @@ def unpack_artifact(data: bytes) -> tuple[dict[str, Any], bytes]:
     return json.loads(data[start:end]), data[end:]
 
 
-def _tree(root: Path) -> Iterator[Path]:
-    """Every file and directory under `root` (not `root` itself), parents first."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        yield from (here / d for d in dirnames)
-        yield from (here / f for f in filenames)
-
-
-_warned_roots: set[Path] = set()
-
-
-def open_cache_root(root: Path) -> Path:
-    """The compile cache root, made private (0700) if it is new; an existing one with a looser
-    mode is warned about (once per process), not changed."""
-    root = Path(root).expanduser()
-    if root.is_dir() and stat.S_IMODE(root.stat().st_mode) & 0o077:
-        # Not ours to change (it may be a shared parent someone chose), but whoever can
-        # write into it can replace the code this process will load.
-        if root in _warned_roots:
-            return root
-        _warned_roots.add(root)
-        logger.warning(
-            "compile cache root %s has mode %o: other users can read or replace the "
-            "compiled code in it; make it 0700",
-            root,
-            stat.S_IMODE(root.stat().st_mode),
-        )
-    else:
-        make_private_dir(root)
-    return root
+def _own_dir(path: Path) -> Path:
+    """`path` as a private directory of this entry: a link there (to another entry, or out of
+    the root) is removed first, so that what the entry holds is inside it."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        logger.warning("compile cache: %s is not a directory of this entry; replacing it", path)
+        path.unlink()
+    return make_private_dir(path)
 
 
 class CompileCache:
-    """One cache entry `<root>/<key>/` and the artifacts in it."""
+    """One cache entry `<root>/<key>/` and the artifacts in it. On a read-only root the entry
+    is used as it is (`read_only`: nothing is written there); a read-only root without this
+    entry is replaced by a temporary one, with a warning."""
 
-    def __init__(self, root: Path, factors: CacheFactors) -> None:
-        self.root = root = open_cache_root(root)
-        self.tool_dirs = point_tool_caches(root)
-        self.headers_dir = Path(self.tool_dirs["TORCHINDUCTOR_CACHE_DIR"]) / "precompiled_headers"
+    def __init__(self, root: Path | CacheRoot, factors: CacheFactors) -> None:
+        opened = root if isinstance(root, CacheRoot) else open_cache_root(root)
         self.key = factors.key()
-        self.dir = make_private_dir(self.root / self.key)
-        self.pieces_dir = make_private_dir(self.dir / "pieces")
-        self.inductor_dir = make_private_dir(self.dir / "inductor")
+        if not opened.writable and not (opened.path / self.key).is_dir():
+            temporary = scratch_dir("srt-compile-cache-")
+            logger.warning(
+                "compile cache root %s is read-only and has no entry for this configuration "
+                "(key %s): compiling into %s, which is removed at exit; make the root "
+                "writable (%s) to keep what compiles",
+                opened.path,
+                self.key,
+                temporary,
+                FLAG,
+            )
+            opened = open_cache_root(temporary)
+        self.root = opened
+        self.read_only = not opened.writable
+        self.tool_dirs = point_tool_caches(opened)
+        self.headers_dir = Path(self.tool_dirs["TORCHINDUCTOR_CACHE_DIR"]) / "precompiled_headers"
+        self.dir = opened.path / self.key
+        self.pieces_dir = self.dir / "pieces"
+        # Where Inductor builds for this entry: the entry's `inductor/`, unless the root cannot
+        # take Inductor's builds (then its build directory, into which a read-only entry's
+        # checked builds are copied at the first session).
+        self.inductor_dir = opened.builds / self.key / "inductor"
+        self._index = FileIndex(self.inductor_dir, self.dir / "inductor-files.json")
+        self._copied = False  # a read-only entry's builds, copied at the first session
+        entry_dirs = [] if self.read_only else [self.dir, self.pieces_dir]
+        for d in (*entry_dirs, self.inductor_dir.parent, self.inductor_dir):
+            _own_dir(d)
         factors_file = self.dir / "factors.json"
-        if not factors_file.exists():
+        if not self.read_only and not factors_file.exists():
             write_private(factors_file, json.dumps(asdict(factors), indent=2, default=str).encode())
-        self.manifest = BucketManifest(self.dir / "manifest.json")
+        self.manifest = BucketManifest(self.dir / "manifest.json", read_only=self.read_only)
 
     def write_text(self, name: str, text: str) -> Path:
-        path = self.dir / name
+        """Write `name` into the entry (into the build directory, where the root is
+        read-only); its path."""
+        path = (self.inductor_dir.parent if self.read_only else self.dir) / name
+        make_private_dir(path.parent)
         write_private(path, text.encode())
         return path
 
@@ -178,7 +148,14 @@ class CompileCache:
 
     def save_artifact(self, name: str, save: Callable[[Path], object]) -> None:
         """`save(path)` writes the artifact (what it returns is ignored); it is stored bound
-        to this entry and `name`."""
+        to this entry and `name` (not on a read-only root: logged, and served from memory)."""
+        if self.read_only:
+            logger.warning(
+                "compile cache: %s is read-only, so %s is not saved: a restart compiles it again",
+                self.dir,
+                name,
+            )
+            return
         with tempfile.TemporaryDirectory(dir=self.pieces_dir) as tmp:  # private (0700)
             staged = Path(tmp) / name
             save(staged)
@@ -194,12 +171,14 @@ class CompileCache:
 
     def load_artifact(self, name: str, load: Callable[[Path], T]) -> T | None:
         """`load(path)` of the artifact stored as `name` in this entry; None when there is
-        none, or (logged, and the file removed) when it was written for another entry or
-        another piece, is damaged, or fails to load."""
+        none, or (logged, and the file removed) when it is a link, was written for another
+        entry or another piece, is damaged, or fails to load."""
         path = self.artifact_path(name)
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():
             return None
         try:
+            if path.is_symlink():  # whatever it points at is not this entry's to vouch for
+                raise ValueError("a symbolic link, not a file of this entry")
             header, payload = unpack_artifact(path.read_bytes())
             for field, expected in (("entry", self.key), ("name", name)):
                 if header.get(field) != expected:
@@ -210,7 +189,7 @@ class CompileCache:
                 )
             if hashlib.sha256(payload).hexdigest() != header["sha256"]:
                 raise ValueError("checksum mismatch")
-            with tempfile.TemporaryDirectory(dir=self.pieces_dir) as tmp:
+            with tempfile.TemporaryDirectory(dir=self.inductor_dir.parent) as tmp:
                 staged = Path(tmp) / name
                 staged.write_bytes(payload)
                 return load(staged)
@@ -221,7 +200,8 @@ class CompileCache:
                 type(e).__name__,
                 e,
             )
-            path.unlink(missing_ok=True)
+            if not self.read_only:
+                path.unlink(missing_ok=True)
             return None
 
     @contextmanager
@@ -234,15 +214,23 @@ class CompileCache:
         One process at a time holds the entry (a second server waits, then loads what the
         first compiled). Before anything loads from `inductor/`, every file there is checked
         against the index this cache wrote at the end of the last session (size and sha256):
-        a file it did not record (left by a crashed build) or that changed (a truncated .so
-        would crash the process in dlopen, beyond any except clause) is removed, and Inductor
+        a file it did not record (left by a crashed build), one that changed (a truncated .so
+        would crash the process in dlopen, beyond any except clause) and every link (to a
+        damaged file out of the root, or to another entry's build) is removed, and Inductor
         rebuilds it from the artifact. At the end the files are made private and indexed
-        (only after a session that succeeded: an interrupted one may leave half a build)."""
+        (only after a session that succeeded: an interrupted one may leave half a build). On
+        a read-only root the files the index vouches for are copied to the build directory
+        first, and nothing is indexed (no other process writes the entry)."""
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
         waiting = f"compile cache: waiting for another process compiling into {self.dir}"
-        with locked(self.dir / "entry.lock", on_wait=lambda: logger.info(waiting)):
-            point_precompiled_headers(self.headers_dir)
+        holding = (
+            nullcontext()
+            if self.read_only
+            else locked(self.dir / "entry.lock", on_wait=lambda: logger.info(waiting))
+        )
+        with holding:
+            use_precompiled_headers(self.headers_dir)
             self._check_inductor_files()
             try:
                 with temporary_cache_dir(str(self.inductor_dir)):
@@ -253,49 +241,38 @@ class CompileCache:
                 self._make_inductor_files_private()
                 raise
             self._make_inductor_files_private()
-            self._index_inductor_files()
-
-    def _inductor_index_path(self) -> Path:
-        return self.dir / "inductor-files.json"
-
-    def _inductor_files(self) -> Iterator[tuple[str, Path]]:
-        for path in _tree(self.inductor_dir):
-            rel = path.relative_to(self.inductor_dir)
-            if path.is_file() and not path.is_symlink() and rel.parts[0] != "locks":
-                yield rel.as_posix(), path
+            if not self.read_only:
+                self._index.record()
 
     def _check_inductor_files(self) -> None:
-        index_path = self._inductor_index_path()
-        try:
-            index = json.loads(index_path.read_text()) if index_path.exists() else {}
-        except ValueError:
-            index = {}
-        removed = []
-        for rel, path in self._inductor_files():
-            data = path.read_bytes()
-            if index.get(rel) != [len(data), hashlib.sha256(data).hexdigest()]:
-                path.unlink()
-                removed.append(rel)
+        left_out = []
+        if self.read_only and not self._copied:
+            entry_builds = FileIndex(self.dir / "inductor", self._index.path)
+            if entry_builds.directory.is_dir():
+                left_out = entry_builds.copy_vouched(self.inductor_dir)
+            self._copied = True
+        removed = left_out + self._index.remove_unvouched()
         if removed:
             logger.warning(
-                "compile cache: removed %d file(s) from %s that this cache did not write or "
-                "that changed since (%s); Inductor rebuilds them",
+                "compile cache: removed %d file(s) from %s that this cache did not write, that "
+                "changed since, or that are links (%s); Inductor rebuilds them",
                 len(removed),
-                self.inductor_dir,
+                self.dir / "inductor" if left_out else self.inductor_dir,
                 ", ".join(removed[:5]),
             )
 
     def _make_inductor_files_private(self) -> None:
         ours = [self.inductor_dir]
-        if self.headers_dir.is_relative_to(self.root):  # not in a directory the user chose
+        if self.headers_dir.is_relative_to(self.root.builds):  # not in one the user chose
             ours.append(self.headers_dir)
         for path in (p for d in ours for p in _tree(d)):  # Inductor writes 0755 / 0644
             if not path.is_symlink():
                 path.chmod(0o700 if path.is_dir() else 0o600)
 
-    def _index_inductor_files(self) -> None:
-        index = {}
-        for rel, path in self._inductor_files():
-            data = path.read_bytes()
-            index[rel] = [len(data), hashlib.sha256(data).hexdigest()]
-        write_private(self._inductor_index_path(), json.dumps(index, indent=0).encode())
+
+def _tree(root: Path) -> Iterator[Path]:
+    """Every file and directory under `root` (not `root` itself), parents first."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        yield from (here / d for d in dirnames)
+        yield from (here / f for f in filenames)

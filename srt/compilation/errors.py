@@ -14,3 +14,12 @@ class GraphBreakError(CompilationError):
 class ShapeSpecializationError(CompilationError):
     """The forward depends on the token count (a Python branch on a shape, a size baked in as
     a constant), so one general graph cannot serve every batch size."""
+
+
+class CompileCacheError(CompilationError):
+    """The compile cache root cannot be used as given; the message names `--compile-cache-dir`
+    or the file."""
+
+
+class CompilerMissingError(CompilationError):
+    """Inductor needs a tool this machine lacks (a C++ compiler on the CPU)."""

@@ -24,6 +24,7 @@ from torch import fx
 
 from srt.compilation.cache import CompileCache
 from srt.compilation.dispatch import PieceFn
+from srt.compilation.errors import CompilerMissingError
 
 COMPILERS = ("eager", "inductor")  # what a phase can be compiled with
 DEBUG_COMPILERS = ("aot_eager",)
@@ -74,6 +75,26 @@ def aot_eager(gm: fx.GraphModule, args: Sequence[Any]) -> PieceFn:
     # compiled forward be Inductor's output code, which an eager run is not.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return backend(with_tuple_output(gm), list(args))
+
+
+def require_cpp_compiler() -> None:
+    """Raise unless Inductor finds its C++ compiler. Inductor on the CPU needs it at every
+    start, a warm one too, though it then compiles nothing: to find a kernel it has built it
+    keys the build by the compiler's version and command line, asked of the compiler, and it
+    probes the CPU's vector ISA by compiling small programs; none of this can be answered for
+    it from the cache without replacing parts of Inductor that are not public."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler as e:
+        raise CompilerMissingError(
+            "Inductor on the CPU needs a C++ compiler at every start, a warm one too (it asks "
+            "the compiler for its version to find each kernel it built, and compiles probes of "
+            f"the CPU's vector ISA): {e}. Install g++ or point CXX at one, or compile the "
+            "pieces with --cuda-graph-tc-compiler eager"
+        ) from None
 
 
 def _load_inductor(path: Path) -> Any:

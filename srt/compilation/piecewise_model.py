@@ -44,6 +44,7 @@ from srt.compilation.compile_info import CompileInfo
 from srt.compilation.dispatch import BucketDispatcher, PieceFn, Router
 from srt.compilation.errors import CompilationError, GraphBreakError, ShapeSpecializationError
 from srt.compilation.op_registry import inductor_trace, split_ops
+from srt.compilation.piece_compiler import require_cpp_compiler
 
 if TYPE_CHECKING:  # imports Dynamo, which only tracing or loading needs
     from torch._dynamo.aot_compile import AOTCompiledFunction
@@ -106,6 +107,8 @@ class PiecewiseModel:
         capture and its pieces, or trace and compile, then save the capture."""
         if self.traced:
             raise CompilationError("the model is already traced; it is traced once")
+        if "inductor" in self.compilers and input_ids.device.type == "cpu":
+            require_cpp_compiler()  # before anything loads: a clear error, not one mid-load
         inductor = self.cache.inductor_session() if "inductor" in self.compilers else nullcontext()
         start = time.perf_counter()
         with torch.inference_mode(), inductor:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from srt.compilation.cache import default_cache_root, open_cache_root, point_tool_caches
+from srt.compilation.cache_root import default_cache_root, open_cache_root, point_tool_caches
 from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
 from srt.distributed import (
@@ -44,6 +44,7 @@ from srt.model_executor.jit_misses import JitMissLog
 from srt.model_executor.kv_cache import KVCache
 from srt.model_executor.model_loader import load_model
 from srt.model_executor.runner_setup import (
+    attention_backend_name,
     init_cuda,
     kv_slots,
     open_compile_cache,
@@ -87,9 +88,7 @@ class ModelRunner:
             num_kv_heads=kv_head_shard(config.num_kv_heads).size,
         )
         torch.manual_seed(args.seed)
-        self.attention_backend_name = args.attention_backend or (
-            "triton" if self.device.type == "cuda" else "torch_native"
-        )
+        self.attention_backend_name = attention_backend_name(args, self.device.type)
         attn_cls = attention_backend_class(self.attention_backend_name)
         self.graph_configs = resolve_graph_config(  # fail before loading
             args, self.device.type, attn_cls.graph_modes

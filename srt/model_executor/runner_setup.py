@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,8 @@ import torch
 from torch import nn
 
 from srt.compilation.cache import CompileCache
-from srt.compilation.cache_key import collect_factors
+from srt.compilation.cache_key import CacheFactors, collect_factors
+from srt.compilation.cache_root import CacheRoot
 from srt.distributed import min_over_ranks
 from srt.layers.custom_op import apply_custom_ops, custom_ops_info, describe_custom_ops
 from srt.model_config import ModelConfig
@@ -78,8 +80,101 @@ def kv_slots(
     return slots
 
 
+# The ServerArgs fields that cannot reach a compiled graph, each with why. Every other field
+# is in the compile cache key as it was given, so a new flag is in the key (a miss at worst,
+# never a stale graph) until it is shown here not to shape one.
+_RESOLVED = "resolved below, as the graph sees it"
+_SCHEDULER = "the scheduler only: it forms the batches, whose shapes the graph is general over"
+_SERVER = "the HTTP server and the log only"
+_BUCKETS = (
+    "a bucket pads a batch for the general graph; the token range the buckets imply reaches "
+    "the trace, and is in every artifact's name"
+)
+NOT_IN_COMPILE_KEY: dict[str, str] = {
+    "model_path": "where the files are: the model config (below), its code and its weights, "
+    "which are graph inputs, are what the graph sees",
+    "tokenizer_path": "the tokenizer process only",
+    "served_model_name": _SERVER,
+    "load_format": "the weights' values, which are graph inputs",
+    "seed": "the weights' values (graph inputs) and sampling, outside the graph",
+    "dtype": _RESOLVED,
+    "device": _RESOLVED,
+    "attention_backend": _RESOLVED,
+    "custom_ops": _RESOLVED,
+    "cuda_graph_backend_decode": _RESOLVED,
+    "cuda_graph_backend_prefill": _RESOLVED,
+    "cuda_graph_tc_compiler": _RESOLVED,
+    "cuda_graph_config": _RESOLVED,
+    "disable_cuda_graph": _RESOLVED,
+    "cuda_graph_bs_decode": _BUCKETS,
+    "cuda_graph_bs_prefill": _BUCKETS,
+    "cuda_graph_max_bs_decode": _BUCKETS,
+    "cuda_graph_max_bs_prefill": _BUCKETS,
+    "cuda_graph_capture": "when buckets are captured, not what a piece computes",
+    "cuda_graph_mem_fraction": "the memory budget only",
+    "max_total_tokens": "the KV pools' size, which only the attention op reads: a split op, run "
+    "eagerly between the compiled pieces",
+    "mem_fraction_static": "the KV pools' size (as --max-total-tokens)",
+    "chunked_prefill_size": _SCHEDULER,
+    "enable_prefix_caching": _SCHEDULER,
+    "disable_overlap_schedule": _SCHEDULER,
+    "overlap_depth": _SCHEDULER,
+    "enable_mixed_chunk": _SCHEDULER,
+    "compile_cache_dir": "where the cache is",
+    "skip_warmup": "whether a warm-up runs before ready, not what it runs",
+    "host": _SERVER,
+    "port": _SERVER,
+    "api_key": _SERVER,
+    "max_request_bytes": _SERVER,
+    "incremental_streaming_output": _SERVER,
+    "log_level": _SERVER,
+}
+
+
+def attention_backend_name(args: ServerArgs, device_type: str) -> str:
+    """`--attention-backend`, or the device's default."""
+    return args.attention_backend or ("triton" if device_type == "cuda" else "torch_native")
+
+
+def compile_cache_factors(
+    args: ServerArgs,
+    config: ModelConfig,
+    model_file: Path,
+    device: torch.device,
+    attention_backend: str,
+    configs: dict[Phase, PhaseConfig],
+    custom_ops: dict[str, OpImpl],
+    tp: TPRank,
+    inductor: bool,
+) -> CacheFactors:
+    """The compile cache factors of this setup (`inductor`: whether anything cached is
+    Inductor's output). The config factor is derived from what the
+    graph is built from, whole: the model config (every field: the context length sizes the
+    rotary tables the pieces close over, the dtype every tensor), every option but those
+    `NOT_IN_COMPILE_KEY` says cannot reach a graph, and what this process resolved them to."""
+    return collect_factors(
+        {
+            "model": {k: v for k, v in asdict(config).items() if k != "path"},
+            "options": {
+                f.name: getattr(args, f.name)
+                for f in fields(args)
+                if f.name not in NOT_IN_COMPILE_KEY
+            },
+            "device": str(device),
+            "attention_backend": attention_backend,
+            "graphs": {p.value: [c.backend.value, c.tc_compiler] for p, c in configs.items()},
+            "custom_ops": custom_ops_info(custom_ops),
+            # Each rank traces and compiles its own shard's graph.
+            "tp": [tp.size, tp.rank],
+        },
+        device,
+        model_file,
+        inductor=inductor,
+    )
+
+
 def open_compile_cache(
-    root: Path,
+    root: CacheRoot,
     args: ServerArgs,
     config: ModelConfig,
     model: nn.Module,
@@ -90,27 +185,18 @@ def open_compile_cache(
     tp: TPRank,
 ) -> CompileCache | None:
     """The compile cache entry of this setup (pieces, capture manifest), when any phase
-    compiles or captures; its key covers every option that changes the graph."""
+    compiles or captures; its key covers everything that changes the graph."""
     if all(c.backend is Backend.DISABLED and c.tc_compiler is None for c in configs.values()):
         return None
-    factors = collect_factors(
-        {
-            "model": config.hf_config,
-            "dtype": str(config.dtype),
-            "attention_backend": attention_backend,
-            # Not the bucket ladders: artifacts are general over the token range (which
-            # their names carry), so a new ladder reuses them.
-            "graphs": {p.value: [c.backend.value, c.tc_compiler] for p, c in configs.items()},
-            "max_running_requests": args.max_running_requests,
-            "enable_torch_compile": args.enable_torch_compile,
-            "torch_compile_max_bs": args.torch_compile_max_bs,
-            "keep_shape_guards": args.keep_shape_guards,
-            "custom_ops": custom_ops_info(custom_ops),
-            # Each rank traces and compiles its own shard's graph.
-            "tp": [tp.size, tp.rank],
-        },
-        device,
+    factors = compile_cache_factors(
+        args,
+        config,
         Path(inspect.getfile(type(model))),
+        device,
+        attention_backend,
+        configs,
+        custom_ops,
+        tp,
         inductor=args.enable_torch_compile
         or any(c.tc_compiler == "inductor" for c in configs.values()),
     )

@@ -28,7 +28,7 @@ import logging
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,6 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from srt.batch_layout import ForwardMode
 from srt.compilation.backend import MIN_TOKENS
 from srt.compilation.cache import CompileCache
-from srt.compilation.cache_key import collect_factors
 from srt.compilation.dispatch import BucketDispatcher, PieceFn
 from srt.compilation.piece_compiler import aot_eager
 from srt.compilation.piecewise_model import PiecewiseModel
@@ -50,6 +49,7 @@ from srt.ipc.messages import BatchPlan
 from srt.layers.attention.layer import eager_forward_context
 from srt.model_config import ModelConfig
 from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.runner_setup import compile_cache_factors
 from srt.server_args import ServerArgs, ServerArgsError
 from srt.tools.cli import keyword_options
 from srt.tools.make_tiny_model import resolve_model_path
@@ -549,13 +549,20 @@ def _make_runner(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Mod
 
 
 def _cache(root: Path, runner: ModelRunner) -> CompileCache:
-    config = runner.config
-    factors = collect_factors(
-        {"model": config.hf_config, "dtype": str(config.dtype), "tool": "compile_bisect"},
-        runner.device,
+    """The runner's compile cache entry, kept apart from the server's (this tool compiles
+    with its own compilers)."""
+    factors = compile_cache_factors(
+        runner.args,
+        runner.config,
         Path(inspect.getfile(type(runner.model))),
+        runner.device,
+        runner.attention_backend_name,
+        runner.graph_configs,
+        runner.custom_ops,
+        runner.tp,
+        inductor=True,
     )
-    return CompileCache(root, factors)
+    return CompileCache(root, replace(factors, config={**factors.config, "tool": "compile_bisect"}))
 
 
 def main(argv: list[str] | None = None) -> int:
