@@ -17,19 +17,23 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from srt import flashinfer_support
 from srt.batch_layout import ForwardMode
 from srt.forward_batch import ForwardBatch, pad_tokens
 from srt.ipc.messages import BatchPlan
 from srt.layers.attention.base import AttentionInputs
 from srt.layers.attention.registry import create_attention_backend
 from srt.layers.attention.torch_native import TorchNativeBackend, attend
+from srt.model_config import ModelConfig
 from srt.model_executor.graphs.static_batch import real_requests
 from srt.model_executor.step_inputs import upload_step
+from srt.server_args import ServerArgs, ServerArgsError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -351,6 +355,66 @@ def test_flashinfer_missing_names_the_flag() -> None:
         pytest.skip("flashinfer is installed")
     with pytest.raises(ImportError, match="--attention-backend"):
         create_attention_backend("flashinfer", 8, 2, 64)
+
+
+def test_flashinfer_missing_is_refused_with_the_flags() -> None:
+    if flashinfer_support.installed():
+        pytest.skip("flashinfer is installed")
+    with pytest.raises(
+        ServerArgsError,
+        match=r"^argument --attention-backend: flashinfer needs the flashinfer-python package",
+    ):
+        ServerArgs(attention_backend="flashinfer").check()
+    ServerArgs(attention_backend="triton").check()  # only the chosen backend's needs count
+
+
+def test_flashinfer_on_an_explicit_cpu_is_refused_with_the_flags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(flashinfer_support, "installed", lambda: True)
+    with pytest.raises(ServerArgsError, match=r"^argument --attention-backend: .* not on cpu"):
+        ServerArgs(attention_backend="flashinfer", device="cpu").check()
+    ServerArgs(attention_backend="flashinfer").check()  # auto: the runner checks the device
+
+
+@pytest.mark.parametrize(
+    ("facts", "message"),
+    [
+        ({"device_type": "cpu"}, "runs on CUDA GPUs only, not on cpu"),
+        ({"device_type": "mps"}, "runs on CUDA GPUs only, not on mps"),
+        ({"capability": (7, 5)}, "compute capability 8.0 or newer; this one's is 7.5"),
+        ({"capability": (6, 1)}, "compute capability 8.0 or newer; this one's is 6.1"),
+        ({"head_dim": 96}, "supports head sizes 64, 128, 256; the model's is 96"),
+        ({"head_dim": 512}, "supports head sizes 64, 128, 256; the model's is 512"),
+    ],
+)
+def test_flashinfer_refuses_what_it_cannot_run(facts: dict[str, Any], message: str) -> None:
+    with pytest.raises(ServerArgsError, match=r"^argument --attention-backend: flashinfer ") as e:
+        flashinfer_support.check_flashinfer(**facts)
+    assert message in str(e.value) and "--attention-backend triton" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "facts",
+    [
+        {"installed": True, "device_type": "cuda", "capability": (8, 0), "head_dim": 64},
+        {"capability": (9, 0), "head_dim": 128},
+        {"capability": (12, 0), "head_dim": 256},
+        {},
+    ],
+)
+def test_flashinfer_runs_what_it_supports(facts: dict[str, Any]) -> None:
+    flashinfer_support.check_flashinfer(**facts)
+
+
+def test_flashinfer_head_size_is_checked_with_the_model(tiny_llama: Path) -> None:
+    config = ModelConfig.from_path(str(tiny_llama), "float32", None)
+    args = ServerArgs(attention_backend="flashinfer")
+    for head_dim in flashinfer_support.HEAD_SIZES:
+        args.check_model(dataclasses.replace(config, head_dim=head_dim))
+    with pytest.raises(ServerArgsError, match=r"^argument --attention-backend: .* is 80;"):
+        args.check_model(dataclasses.replace(config, head_dim=80))
+    ServerArgs(attention_backend="triton").check_model(dataclasses.replace(config, head_dim=80))
 
 
 # Shapes for the CPU (fp16: Triton's interpreter multiplies bf16 as raw integers).
