@@ -5,6 +5,8 @@ included; a root that already exists with a looser mode is used, with a warning)
 
     <root>/                     --compile-cache-dir (default ~/.cache/srt/compile)
       triton/                   TRITON_CACHE_DIR: Triton's kernel cache, shared by every entry
+      flashinfer/               FLASHINFER_WORKSPACE_BASE: FlashInfer's JIT-built modules
+                                (.cache/flashinfer/<version>/<arch>/cached_ops/), shared too
       inductor/                 TORCHINDUCTOR_CACHE_DIR outside a session, shared by every entry
         precompiled_headers/    Inductor's C++ precompiled headers (else under $TMPDIR)
       <key>/                    one entry per cache key (`cache_key`)
@@ -26,8 +28,11 @@ rebuilt.
 Triton's cache and Inductor's precompiled headers are shared across entries: both are
 content-addressed by their tools (a new config reuses what an old one built), and neither
 can crash the process (Triton replaces its files atomically; the C++ compiler checks a
-precompiled header and ignores one that does not match). A variable the user set when
-launching (`TRITON_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`) is respected, and the log says so.
+precompiled header and ignores one that does not match). FlashInfer's modules are shared the
+same way: it names each by its version, GPU architecture and every template argument, and
+builds and loads them under a file lock. A variable the user set when launching
+(`TRITON_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`, `FLASHINFER_WORKSPACE_BASE`) is respected, and
+the log says so.
 """
 
 from __future__ import annotations
@@ -57,7 +62,11 @@ T = TypeVar("T")
 # The tools' cache locations, as the process was launched: srt points them under the compile
 # cache root only where the user left them unset (it sets them itself later in the process,
 # and Inductor writes its default into TORCHINDUCTOR_CACHE_DIR on first use).
-TOOL_CACHE_DIRS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+TOOL_CACHE_DIRS = {
+    "TRITON_CACHE_DIR": "triton",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+}
 LAUNCH_TOOL_CACHE_DIRS = {name: os.environ.get(name) for name in TOOL_CACHE_DIRS}
 
 
@@ -67,10 +76,11 @@ def default_cache_root() -> Path:
 
 
 def point_tool_caches(root: Path) -> dict[str, str]:
-    """Point Triton's and Inductor's caches under `root` (`<root>/triton`, `<root>/inductor`)
-    for this process, each unless the user set it at launch; returns where each now is.
-    Both tools read the variable when they compile (Triton per kernel, Inductor per cache
-    access), so setting it before the first compile is enough."""
+    """Point Triton's, Inductor's and FlashInfer's caches under `root` (`<root>/triton`,
+    `<root>/inductor`, `<root>/flashinfer`) for this process, each unless the user set it at
+    launch; returns where each now is. Triton and Inductor read the variable when they compile
+    (per kernel, per cache access), FlashInfer when it is imported (`flashinfer.jit.env`): so
+    this must run before the first compile and before FlashInfer's import."""
     where = {}
     for name, sub in TOOL_CACHE_DIRS.items():
         chosen = LAUNCH_TOOL_CACHE_DIRS[name]

@@ -74,8 +74,9 @@ class ModelRunner:
         self.config = config
         self.tp = tp or TPRank()
         self.device = torch.device(args.resolved_device())
-        # Triton's and Inductor's caches under the compile cache root before any kernel
-        # compiles, with graphs or without: a restart finds the kernels its warm-up JIT-ed.
+        # Triton's, Inductor's and FlashInfer's caches under the compile cache root before any
+        # kernel compiles (and before the attention backend imports FlashInfer, which reads
+        # its variable then), with graphs or without: a restart finds what its warm-up JIT-ed.
         self.cache_root = open_cache_root(Path(args.compile_cache_dir or default_cache_root()))
         point_tool_caches(self.cache_root)
         self.device_init_s = timed(self._init_device)
@@ -91,6 +92,7 @@ class ModelRunner:
             "triton" if self.device.type == "cuda" else "torch_native"
         )
         attn_cls = attention_backend_class(self.attention_backend_name)
+        self.attention_kernels = attn_cls.kernel_versions()
         self.graph_configs = resolve_graph_config(  # fail before loading
             args, self.device.type, attn_cls.graph_modes
         )
@@ -159,6 +161,7 @@ class ModelRunner:
             self.model,
             self.device,
             self.attention_backend_name,
+            self.attention_kernels,
             self.graph_configs,
             self.custom_ops,
             self.tp,

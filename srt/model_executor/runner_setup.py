@@ -85,12 +85,14 @@ def open_compile_cache(
     model: nn.Module,
     device: torch.device,
     attention_backend: str,
+    attention_kernels: dict[str, str],
     configs: dict[Phase, PhaseConfig],
     custom_ops: dict[str, OpImpl],
     tp: TPRank,
 ) -> CompileCache | None:
     """The compile cache entry of this setup (pieces, capture manifest), when any phase
-    compiles or captures; its key covers every option that changes the graph."""
+    compiles or captures; its key covers every option that changes the graph, and the
+    versions of the attention backend's kernel packages (`attention_kernels`)."""
     if all(c.backend is Backend.DISABLED and c.tc_compiler is None for c in configs.values()):
         return None
     factors = collect_factors(
@@ -113,5 +115,6 @@ def open_compile_cache(
         Path(inspect.getfile(type(model))),
         inductor=args.enable_torch_compile
         or any(c.tc_compiler == "inductor" for c in configs.values()),
+        kernels=attention_kernels,
     )
     return CompileCache(root, factors)
