@@ -130,8 +130,9 @@ class ServerArgs:
     )
     skip_warmup: bool = _opt(
         False,
-        "Skip the model runner's warm-up before ready (a dummy prefill and decode step with "
-        "sampling, which JIT-compiles kernels); the first requests then pay those compiles.",
+        "Skip the model runner's warm-up before ready (dummy prefill steps, from scratch and "
+        "over a prefix, and a decode step with sampling, which JIT-compile kernels); the first "
+        "requests then pay those compiles.",
     )
 
     # Server

@@ -62,7 +62,7 @@ def test_warmup_runs_before_ready_and_leaves_no_trace(
     with eng:
         info = eng.get_server_info()
         assert info["runner"]["warmup_s"] >= 0
-        assert sum("warm-up: 2 dummy steps" in r.getMessage() for r in caplog.records) == 1
+        assert sum("warm-up: 3 dummy steps" in r.getMessage() for r in caplog.records) == 1
         assert dummy_slot_written(eng)  # it ran the model, writing KV to the dummy slot only
         assert not kv_outside_the_dummy_slot(eng).any()
         assert not eng.runner.req_to_token.any()  # the table row it used is restored
@@ -141,9 +141,11 @@ def test_compiled_phases_warm_up_on_the_general_graph_only(
 
 @pytest.mark.parametrize("context_length", [1, 2, 5, 4096])
 def test_warmup_plans_fit_the_context(context_length: int) -> None:
-    prefill, decode = warmup_plans(context_length)
-    assert (prefill.forward_mode, decode.forward_mode) == (ForwardMode.EXTEND, ForwardMode.DECODE)
-    for plan in (prefill, decode):
+    fresh, prefill, decode = warmup_plans(context_length)
+    modes = (fresh.forward_mode, prefill.forward_mode, decode.forward_mode)
+    assert modes == (ForwardMode.EXTEND, ForwardMode.EXTEND, ForwardMode.DECODE)
+    assert fresh.prefix_lens.tolist() == [0]  # a prompt from scratch
+    for plan in (fresh, prefill, decode):
         seq = int(plan.prefix_lens[0] + plan.extend_lens[0])
         assert seq <= context_length
         assert plan.positions.tolist() == list(range(int(plan.prefix_lens[0]), seq))

@@ -201,8 +201,8 @@ class ModelRunner:
             self.req_to_token[WARMUP_ROW].copy_(row)
         seconds = time.perf_counter() - start  # each step's result was waited for
         logger.info(
-            "warm-up: %d dummy steps (prefill over a prefix, decode, sampling, logprobs) in "
-            "%.2f s (--skip-warmup skips it)",
+            "warm-up: %d dummy steps (a prompt, a prefill over a prefix, decode, sampling, "
+            "logprobs) in %.2f s (--skip-warmup skips it)",
             len(plans),
             seconds,
         )
