@@ -417,6 +417,32 @@ def test_flashinfer_head_size_is_checked_with_the_model(tiny_llama: Path) -> Non
     ServerArgs(attention_backend="triton").check_model(dataclasses.replace(config, head_dim=80))
 
 
+def test_kv_indices_gather_each_requests_slots() -> None:
+    """FlashInfer's pages at page size 1: each request's first `len` table entries, end to
+    end (here under Triton's interpreter where there is no CUDA)."""
+    pytest.importorskip("triton")
+    from srt.layers.attention.triton_ops.kv_indices import BLOCK, kv_indices
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    width = 2 * BLOCK + 3
+    table = torch.randint(1, 2**30, (6, width), dtype=torch.int32, device=device)
+    rows = [4, 0, 4, 2, 5]
+    lens = [1, width, BLOCK, 0, BLOCK + 1]  # one slot, a whole row, a block, none, past one
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    total = int(indptr[-1])
+    out = torch.full((total + 2,), -1, dtype=torch.int32, device=device)
+    kv_indices(
+        table,
+        torch.tensor(rows, dtype=torch.int32, device=device),
+        torch.from_numpy(indptr).to(device),
+        out,
+        max(lens),
+    )
+    expected = torch.cat([table[r, :n] for r, n in zip(rows, lens, strict=True)])
+    assert torch.equal(out[:total], expected)
+    assert out[total:].tolist() == [-1, -1]  # nothing written past the last request
+
+
 # Shapes for the CPU (fp16: Triton's interpreter multiplies bf16 as raw integers).
 SMALL = dict(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cpu")
 

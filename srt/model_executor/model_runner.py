@@ -92,6 +92,7 @@ class ModelRunner:
             "triton" if self.device.type == "cuda" else "torch_native"
         )
         attn_cls = attention_backend_class(self.attention_backend_name)
+        attn_cls.check_device(self.device)  # fail before loading
         self.attention_kernels = attn_cls.kernel_versions()
         self.graph_configs = resolve_graph_config(  # fail before loading
             args, self.device.type, attn_cls.graph_modes
