@@ -3,8 +3,10 @@ log after it: the warm-up changes nothing serving sees, and compiles after ready
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +18,7 @@ from graph_emulation import EmulatedCapturer
 
 import srt.model_executor.graphs.full as cuda_graph_runner
 import srt.model_executor.graphs.pool as graph_memory
+import srt.model_executor.jit_misses as jit_misses
 from srt import Engine
 from srt.batch_layout import DUMMY_SLOT, ForwardMode
 from srt.ipc.reports import JitMiss
@@ -221,11 +224,47 @@ def test_triton_hooks_time_each_compile_and_chain() -> None:
     assert len(misses) == 1
 
 
+def test_flashinfer_builds_are_summed_and_a_compile_after_ready_is_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every FlashInfer module goes through `flashinfer.jit.JitSpec.build_and_load`, which
+    runs ninja (nvcc for a module its cache lacks) and loads the library: one that the call
+    wrote was compiled, one it did not was only loaded."""
+
+    class JitSpec:  # what the hook reads of flashinfer.jit.JitSpec
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.jit_library_path = tmp_path / name / f"{name}.so"
+
+        def build_and_load(self) -> str:
+            if not self.jit_library_path.exists():  # ninja builds only what is missing
+                self.jit_library_path.parent.mkdir()
+                self.jit_library_path.write_bytes(b"\x7fELF")
+            return f"module {self.name}"
+
+    fake = SimpleNamespace(__version__="0.5.3", jit=SimpleNamespace(JitSpec=JitSpec))
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(jit_misses, "_flashinfer_hooked", False)
+    before = dataclasses.replace(jit_misses.flashinfer_builds)
+    jit_misses.install_hooks()  # as the runner does before its warm-up
+    assert JitSpec("decode").build_and_load() == "module decode"  # compiled, before ready
+    log = JitMissLog()
+    log.arm()
+    JitSpec("decode").build_and_load()  # in the cache: loaded, no miss
+    assert log.count == 0
+    JitSpec("prefill").build_and_load()  # compiled after ready
+    assert [m.what for m in log.info().listed] == ["flashinfer prefill"]
+    built = jit_misses.flashinfer_builds.since(before)
+    assert (built.compiled, built.loaded) == (2, 1) and built.s >= 0
+
+
 def test_engine_info_has_the_miss_log(tiny_llama: Path, tmp_path: Path) -> None:
     with make_engine(tiny_llama, tmp_path) as eng:
         eng.generate(input_ids=PROMPTS[0], sampling_params=PARAMS[0])
         misses = eng.get_server_info()["runner"]["jit_misses"]
         assert misses == {"count": 0, "listed": []}  # the CPU eager path compiles nothing
+        flashinfer = eng.get_server_info()["runner"]["flashinfer_jit"]
+        assert flashinfer == {"compiled": 0, "loaded": 0, "s": 0.0}  # another backend
 
 
 @pytest.fixture
