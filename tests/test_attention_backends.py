@@ -330,21 +330,88 @@ def test_triton_cuda_graph_replays_other_batches(mode: ForwardMode) -> None:
     check_static_replay("triton", mode, batches, bucket, 32, 8, 128, torch.bfloat16, "cuda")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
-def test_flashinfer_matches_torch_native(mode: ForwardMode) -> None:
-    pytest.importorskip("flashinfer")
-    specs = EXTEND_SPECS if mode == ForwardMode.EXTEND else DECODE_SPECS
-    check_eager("flashinfer", mode, specs, 32, 8, 128, torch.bfloat16, "cuda", pad=3)
+# Each kind of step the flashinfer backend runs on its own FlashInfer wrapper: decode, prefill
+# from scratch (ragged: the new K and V alone) and prefill over cached prefixes (paged).
+FLASHINFER_STEPS = {
+    "decode": (ForwardMode.DECODE, DECODE_SPECS),
+    "prefill": (ForwardMode.EXTEND, [(0, 1), (0, 64), (0, 200), (0, 129), (0, 1000)]),
+    "prefill-over-prefixes": (ForwardMode.EXTEND, EXTEND_SPECS),
+}
+# Llama-3's 32 query heads over 8 KV heads, 8 over 8 (decode on FlashInfer's CUDA cores) and a
+# group of 8.
+FLASHINFER_HEADS = [(32, 8), (8, 8), (32, 4)]
+
+
+def flashinfer_installed() -> None:
+    if not flashinfer_support.installed():
+        pytest.skip("flashinfer is not installed (pip install 'srt[flashinfer]')")
 
 
 @pytest.mark.gpu
-def test_flashinfer_cuda_graph_replays_other_decode_batches() -> None:
-    pytest.importorskip("flashinfer")
-    batches = [[(10, 1)] * 8, [(3, 1), (900, 1), (0, 1)], [(2500, 1)] * 8]
-    check_static_replay(
-        "flashinfer", ForwardMode.DECODE, batches, 8, 32, 8, 128, torch.bfloat16, "cuda"
+@pytest.mark.parametrize("step", list(FLASHINFER_STEPS))
+@pytest.mark.parametrize("heads", FLASHINFER_HEADS, ids=lambda h: f"q{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flashinfer_matches_triton_and_torch_native(
+    step: str, heads: tuple[int, int], head_dim: int
+) -> None:
+    """The same batch through triton (on copies of the caches) and flashinfer: both within
+    bf16 tolerance of torch_native and of each other; flashinfer's KV writes exact."""
+    flashinfer_installed()
+    mode, specs = FLASHINFER_STEPS[step]
+    num_heads, num_kv_heads = heads
+    world = World.create(num_kv_heads, head_dim, torch.bfloat16, "cuda")
+    batch, q, k, v = make_batch(world, mode, specs, num_heads, sum(e for _, e in specs) + 3)
+    expected = reference(world, batch, q, k, v)
+    scale = head_dim**-0.5
+    triton_out = torch.empty_like(q)
+    triton = create_attention_backend("triton", num_heads, num_kv_heads, head_dim)
+    triton_batch = dataclasses.replace(batch, attn_metadata=None)
+    triton.init_forward_metadata(triton_batch)
+    triton.forward(
+        triton_batch,
+        AttentionInputs(q, k, v, triton_out, world.k_cache.clone(), world.v_cache.clone(), scale),
     )
+    out = torch.full_like(q, 7.0)
+    backend = create_attention_backend("flashinfer", num_heads, num_kv_heads, head_dim)
+    backend.init_forward_metadata(batch)
+    backend.forward(batch, AttentionInputs(q, k, v, out, world.k_cache, world.v_cache, scale))
+    assert_matches(world, expected, out, batch.num_tokens)
+    torch.testing.assert_close(out, triton_out, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", FLASHINFER_HEADS[:2], ids=lambda h: f"q{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flashinfer_cuda_graph_replays_other_decode_batches(
+    heads: tuple[int, int], head_dim: int
+) -> None:
+    flashinfer_installed()
+    batches = [[(10, 1)] * 8, [(3, 1), (900, 1), (0, 1)], [(2500, 1)] * 8, [(4000, 1)]]
+    check_static_replay(
+        "flashinfer", ForwardMode.DECODE, batches, 8, *heads, head_dim, torch.bfloat16, "cuda"
+    )
+
+
+@pytest.mark.gpu
+def test_flashinfer_eager_steps_planned_ahead_run_on_their_own_plans() -> None:
+    """Steps prepared back to back (as overlap scheduling prepares them ahead of the device)
+    each run on their own plan: eager steps take turns over several wrappers, and a step whose
+    wrapper was planned for another since is planned again."""
+    flashinfer_installed()
+    world = World.create(8, 128, torch.bfloat16, "cuda")
+    backend = create_attention_backend("flashinfer", 32, 8, 128)
+    scale = 128**-0.5
+    steps = [
+        make_batch(world, ForwardMode.DECODE, [(p, 1) for p in lens], 32)
+        for lens in ([5, 70], [300, 2, 9], [1000], [17, 17], [3, 4000])
+    ]
+    for batch, *_ in steps:  # more steps than wrappers: the first ones are replanned
+        backend.init_forward_metadata(batch)
+    for batch, q, k, v in steps:
+        expected = reference(world, batch, q, k, v)  # over the KV the steps before wrote
+        out = torch.full_like(q, 7.0)
+        backend.forward(batch, AttentionInputs(q, k, v, out, world.k_cache, world.v_cache, scale))
+        assert_matches(world, expected, out, batch.num_tokens)
 
 
 # ---- CPU ----
