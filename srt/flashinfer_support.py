@@ -3,10 +3,10 @@ FlashInfer (its import asks every GPU for its compute capability, which initiali
 launcher checks the flags before it spawns anything, and must not).
 
 The facts are FlashInfer 0.5.3's (`TESTED_VERSION`, the version the `flashinfer` extra pins):
-its Hopper prefill kernels are instantiated for head sizes 64, 128 and 256 only (a
-`static_assert` in `attention/hopper/prefill_sm90.cuh`), and its CUDA-core decode kernel
-takes at most 256 (32 lanes of 8 bf16 values); its prefill and grouped-decode kernels run
-bf16 on tensor-core instructions that sm80 introduced (FlashInfer itself refuses below sm75).
+its Hopper prefill kernels, which the backend runs for prompts on H100/H200, are instantiated
+for head sizes 64, 128 and 256 only (a `static_assert` in `attention/hopper/prefill_sm90.cuh`);
+its prefill and grouped-decode kernels run bf16 on tensor-core instructions that sm80
+introduced (FlashInfer itself refuses below sm75).
 
 Each check raises `ServerArgsError` naming `--attention-backend`: the flags and the installed
 package (`ServerArgs.check`), the model's head size once its config is read
