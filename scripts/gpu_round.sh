@@ -7,6 +7,7 @@
 #   runner-SHAPE.jsonl              srt.bench.one_batch (every decode path) + srt.bench.hf_baseline
 #   cold_start-SHAPE.json / .png    srt.bench.cold_start on a random checkpoint written to disk
 #   serving-SHAPE-VARIANT-INxOUT.json  srt.bench.serving per variant and lengths
+#   attention.json                  srt.bench.attention (the attention op alone per backend)
 # and the tables (scripts/bench_tables.py) are printed last.
 #
 # Usage: scripts/gpu_round.sh STAGE...   with STAGE one of
@@ -25,7 +26,11 @@
 #                        the defaults (full), overlap one step deep (depth1), no overlap,
 #                        nographs, prefill captured (prefill-full) or not (prefill-off), and
 #                        captured with mixed steps (mixed); SERVING_VARIANTS overrides
-# SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first.
+#   attention            srt.bench.attention on the 1B and 8B heads, for ATTENTION_BACKENDS
+#                        (default: triton flashinfer)
+# SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first, their
+# commands (ninja, which FlashInfer's JIT runs) on the PATH; FlashInfer's modules build once
+# per host under $WORK/flashinfer for the tests, under the bench's compile cache root else.
 # Exit status: non-zero if any step failed (the others still run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +43,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
     .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -153,9 +158,14 @@ for stage in "$@"; do
   case $stage in
     tests)  # its whole log comes back: the failures are what the next round fixes
       # shellcheck disable=SC2086
-      step tests timeout "${TESTS_TIMEOUT:-1200}" python3 -m pytest -m gpu -q -rs \
-        -p no:cacheprovider ${TESTS_PATHS:-tests}
+      FLASHINFER_WORKSPACE_BASE=$work/flashinfer step tests timeout "${TESTS_TIMEOUT:-1200}" \
+        python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${TESTS_PATHS:-tests}
       cp "$work/logs/tests.log" "$out/tests.log" ;;
+    attention)
+      # shellcheck disable=SC2086
+      step attention python3 -m srt.bench.attention --backends ${ATTENTION_BACKENDS:-triton flashinfer} \
+        --compile-cache-dir "$work/cache-attention" --output "$out/attention.json"
+      sed -n '/^ *shape /,$p' "$work/logs/attention.log" ;;
     runner-*) runner "${stage#runner-}" ;;
     cold_start-*) cold_start "${stage#cold_start-}" ;;
     serving-*) serving "${stage#serving-}" ;;

@@ -130,8 +130,9 @@ class ServerArgs:
     )
     skip_warmup: bool = _opt(
         False,
-        "Skip the model runner's warm-up before ready (a dummy prefill and decode step with "
-        "sampling, which JIT-compiles kernels); the first requests then pay those compiles.",
+        "Skip the model runner's warm-up before ready (dummy prefill steps, from scratch and "
+        "over a prefix, and a decode step with sampling, which JIT-compile kernels); the first "
+        "requests then pay those compiles.",
     )
 
     # Server
@@ -218,6 +219,15 @@ class ServerArgs:
                 raise ServerArgsError("device", f"{self.device}: CUDA is not available")
         if self.tp_size > 1:
             self._check_tp_devices()
+        if self.attention_backend == "flashinfer":
+            from srt import flashinfer_support
+
+            # An explicit CPU here; a device that `auto` resolves to, and its compute
+            # capability, the model runner checks once it has the device.
+            flashinfer_support.check_flashinfer(
+                installed=flashinfer_support.installed(),
+                device_type="cpu" if self.device == "cpu" else None,
+            )
 
     def _check_tp_devices(self) -> None:
         if self.device.startswith("cuda:"):
@@ -234,8 +244,9 @@ class ServerArgs:
             )
 
     def check_model(self, config: ModelConfig) -> None:
-        """ServerArgsError if the model cannot be sharded over --tp-size ranks (checked once
-        its config is read, before any process starts)."""
+        """ServerArgsError if the model cannot be sharded over --tp-size ranks, or has a head
+        size the attention backend cannot run (checked once its config is read, before any
+        process starts)."""
         n = self.tp_size
         for what, count in (
             ("num_attention_heads", config.num_heads),
@@ -252,6 +263,10 @@ class ServerArgs:
                 f"{n} ranks cannot share the model's {kv} KV heads: the heads must split "
                 "evenly, or (fewer heads than ranks) each be replicated on as many ranks",
             )
+        if self.attention_backend == "flashinfer":
+            from srt.flashinfer_support import check_flashinfer
+
+            check_flashinfer(head_dim=config.head_dim)
 
     def resolved_device(self) -> str:
         import torch

@@ -17,19 +17,23 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from srt import flashinfer_support
 from srt.batch_layout import ForwardMode
 from srt.forward_batch import ForwardBatch, pad_tokens
 from srt.ipc.messages import BatchPlan
 from srt.layers.attention.base import AttentionInputs
 from srt.layers.attention.registry import create_attention_backend
 from srt.layers.attention.torch_native import TorchNativeBackend, attend
+from srt.model_config import ModelConfig
 from srt.model_executor.graphs.static_batch import real_requests
 from srt.model_executor.step_inputs import upload_step
+from srt.server_args import ServerArgs, ServerArgsError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -326,21 +330,88 @@ def test_triton_cuda_graph_replays_other_batches(mode: ForwardMode) -> None:
     check_static_replay("triton", mode, batches, bucket, 32, 8, 128, torch.bfloat16, "cuda")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
-def test_flashinfer_matches_torch_native(mode: ForwardMode) -> None:
-    pytest.importorskip("flashinfer")
-    specs = EXTEND_SPECS if mode == ForwardMode.EXTEND else DECODE_SPECS
-    check_eager("flashinfer", mode, specs, 32, 8, 128, torch.bfloat16, "cuda", pad=3)
+# Each kind of step the flashinfer backend runs on its own FlashInfer wrapper: decode, prefill
+# from scratch (ragged: the new K and V alone) and prefill over cached prefixes (paged).
+FLASHINFER_STEPS = {
+    "decode": (ForwardMode.DECODE, DECODE_SPECS),
+    "prefill": (ForwardMode.EXTEND, [(0, 1), (0, 64), (0, 200), (0, 129), (0, 1000)]),
+    "prefill-over-prefixes": (ForwardMode.EXTEND, EXTEND_SPECS),
+}
+# Llama-3's 32 query heads over 8 KV heads, 8 over 8 (decode on FlashInfer's CUDA cores) and a
+# group of 8.
+FLASHINFER_HEADS = [(32, 8), (8, 8), (32, 4)]
+
+
+def flashinfer_installed() -> None:
+    if not flashinfer_support.installed():
+        pytest.skip("flashinfer is not installed (pip install 'srt[flashinfer]')")
 
 
 @pytest.mark.gpu
-def test_flashinfer_cuda_graph_replays_other_decode_batches() -> None:
-    pytest.importorskip("flashinfer")
-    batches = [[(10, 1)] * 8, [(3, 1), (900, 1), (0, 1)], [(2500, 1)] * 8]
-    check_static_replay(
-        "flashinfer", ForwardMode.DECODE, batches, 8, 32, 8, 128, torch.bfloat16, "cuda"
+@pytest.mark.parametrize("step", list(FLASHINFER_STEPS))
+@pytest.mark.parametrize("heads", FLASHINFER_HEADS, ids=lambda h: f"q{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flashinfer_matches_triton_and_torch_native(
+    step: str, heads: tuple[int, int], head_dim: int
+) -> None:
+    """The same batch through triton (on copies of the caches) and flashinfer: both within
+    bf16 tolerance of torch_native and of each other; flashinfer's KV writes exact."""
+    flashinfer_installed()
+    mode, specs = FLASHINFER_STEPS[step]
+    num_heads, num_kv_heads = heads
+    world = World.create(num_kv_heads, head_dim, torch.bfloat16, "cuda")
+    batch, q, k, v = make_batch(world, mode, specs, num_heads, sum(e for _, e in specs) + 3)
+    expected = reference(world, batch, q, k, v)
+    scale = head_dim**-0.5
+    triton_out = torch.empty_like(q)
+    triton = create_attention_backend("triton", num_heads, num_kv_heads, head_dim)
+    triton_batch = dataclasses.replace(batch, attn_metadata=None)
+    triton.init_forward_metadata(triton_batch)
+    triton.forward(
+        triton_batch,
+        AttentionInputs(q, k, v, triton_out, world.k_cache.clone(), world.v_cache.clone(), scale),
     )
+    out = torch.full_like(q, 7.0)
+    backend = create_attention_backend("flashinfer", num_heads, num_kv_heads, head_dim)
+    backend.init_forward_metadata(batch)
+    backend.forward(batch, AttentionInputs(q, k, v, out, world.k_cache, world.v_cache, scale))
+    assert_matches(world, expected, out, batch.num_tokens)
+    torch.testing.assert_close(out, triton_out, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", FLASHINFER_HEADS[:2], ids=lambda h: f"q{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flashinfer_cuda_graph_replays_other_decode_batches(
+    heads: tuple[int, int], head_dim: int
+) -> None:
+    flashinfer_installed()
+    batches = [[(10, 1)] * 8, [(3, 1), (900, 1), (0, 1)], [(2500, 1)] * 8, [(4000, 1)]]
+    check_static_replay(
+        "flashinfer", ForwardMode.DECODE, batches, 8, *heads, head_dim, torch.bfloat16, "cuda"
+    )
+
+
+@pytest.mark.gpu
+def test_flashinfer_eager_steps_planned_ahead_run_on_their_own_plans() -> None:
+    """Steps prepared back to back (as overlap scheduling prepares them ahead of the device)
+    each run on their own plan: eager steps take turns over several wrappers, and a step whose
+    wrapper was planned for another since is planned again."""
+    flashinfer_installed()
+    world = World.create(8, 128, torch.bfloat16, "cuda")
+    backend = create_attention_backend("flashinfer", 32, 8, 128)
+    scale = 128**-0.5
+    steps = [
+        make_batch(world, ForwardMode.DECODE, [(p, 1) for p in lens], 32)
+        for lens in ([5, 70], [300, 2, 9], [1000], [17, 17], [3, 4000])
+    ]
+    for batch, *_ in steps:  # more steps than wrappers: the first ones are replanned
+        backend.init_forward_metadata(batch)
+    for batch, q, k, v in steps:
+        expected = reference(world, batch, q, k, v)  # over the KV the steps before wrote
+        out = torch.full_like(q, 7.0)
+        backend.forward(batch, AttentionInputs(q, k, v, out, world.k_cache, world.v_cache, scale))
+        assert_matches(world, expected, out, batch.num_tokens)
 
 
 # ---- CPU ----
@@ -351,6 +422,92 @@ def test_flashinfer_missing_names_the_flag() -> None:
         pytest.skip("flashinfer is installed")
     with pytest.raises(ImportError, match="--attention-backend"):
         create_attention_backend("flashinfer", 8, 2, 64)
+
+
+def test_flashinfer_missing_is_refused_with_the_flags() -> None:
+    if flashinfer_support.installed():
+        pytest.skip("flashinfer is installed")
+    with pytest.raises(
+        ServerArgsError,
+        match=r"^argument --attention-backend: flashinfer needs the flashinfer-python package",
+    ):
+        ServerArgs(attention_backend="flashinfer").check()
+    ServerArgs(attention_backend="triton").check()  # only the chosen backend's needs count
+
+
+def test_flashinfer_on_an_explicit_cpu_is_refused_with_the_flags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(flashinfer_support, "installed", lambda: True)
+    with pytest.raises(ServerArgsError, match=r"^argument --attention-backend: .* not on cpu"):
+        ServerArgs(attention_backend="flashinfer", device="cpu").check()
+    ServerArgs(attention_backend="flashinfer").check()  # auto: the runner checks the device
+
+
+@pytest.mark.parametrize(
+    ("facts", "message"),
+    [
+        ({"device_type": "cpu"}, "runs on CUDA GPUs only, not on cpu"),
+        ({"device_type": "mps"}, "runs on CUDA GPUs only, not on mps"),
+        ({"capability": (7, 5)}, "compute capability 8.0 or newer; this one's is 7.5"),
+        ({"capability": (6, 1)}, "compute capability 8.0 or newer; this one's is 6.1"),
+        ({"head_dim": 96}, "supports head sizes 64, 128, 256; the model's is 96"),
+        ({"head_dim": 512}, "supports head sizes 64, 128, 256; the model's is 512"),
+    ],
+)
+def test_flashinfer_refuses_what_it_cannot_run(facts: dict[str, Any], message: str) -> None:
+    with pytest.raises(ServerArgsError, match=r"^argument --attention-backend: flashinfer ") as e:
+        flashinfer_support.check_flashinfer(**facts)
+    assert message in str(e.value) and "--attention-backend triton" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "facts",
+    [
+        {"installed": True, "device_type": "cuda", "capability": (8, 0), "head_dim": 64},
+        {"capability": (9, 0), "head_dim": 128},
+        {"capability": (12, 0), "head_dim": 256},
+        {},
+    ],
+)
+def test_flashinfer_runs_what_it_supports(facts: dict[str, Any]) -> None:
+    flashinfer_support.check_flashinfer(**facts)
+
+
+def test_flashinfer_head_size_is_checked_with_the_model(tiny_llama: Path) -> None:
+    config = ModelConfig.from_path(str(tiny_llama), "float32", None)
+    args = ServerArgs(attention_backend="flashinfer")
+    for head_dim in flashinfer_support.HEAD_SIZES:
+        args.check_model(dataclasses.replace(config, head_dim=head_dim))
+    with pytest.raises(ServerArgsError, match=r"^argument --attention-backend: .* is 80;"):
+        args.check_model(dataclasses.replace(config, head_dim=80))
+    ServerArgs(attention_backend="triton").check_model(dataclasses.replace(config, head_dim=80))
+
+
+def test_kv_indices_gather_each_requests_slots() -> None:
+    """FlashInfer's pages at page size 1: each request's first `len` table entries, end to
+    end (here under Triton's interpreter where there is no CUDA)."""
+    pytest.importorskip("triton")
+    from srt.layers.attention.triton_ops.kv_indices import BLOCK, kv_indices
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    width = 2 * BLOCK + 3
+    table = torch.randint(1, 2**30, (6, width), dtype=torch.int32, device=device)
+    rows = [4, 0, 4, 2, 5]
+    lens = [1, width, BLOCK, 0, BLOCK + 1]  # one slot, a whole row, a block, none, past one
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    total = int(indptr[-1])
+    out = torch.full((total + 2,), -1, dtype=torch.int32, device=device)
+    kv_indices(
+        table,
+        torch.tensor(rows, dtype=torch.int32, device=device),
+        torch.from_numpy(indptr).to(device),
+        out,
+        max(lens),
+    )
+    expected = torch.cat([table[r, :n] for r, n in zip(rows, lens, strict=True)])
+    assert torch.equal(out[:total], expected)
+    assert out[total:].tolist() == [-1, -1]  # nothing written past the last request
 
 
 # Shapes for the CPU (fp16: Triton's interpreter multiplies bf16 as raw integers).

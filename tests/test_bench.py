@@ -13,7 +13,7 @@ import pytest
 import torch
 from server_helpers import ServerProcess
 
-from srt.bench import cold_start, hf_baseline, one_batch, runner_ceiling, serving
+from srt.bench import attention, cold_start, hf_baseline, one_batch, runner_ceiling, serving
 from srt.bench.runner_ceiling import RunnerFigures
 from srt.bench.serving import RequestRecord, RequestSpec, metrics, run_load
 from srt.model_config import ModelConfig
@@ -74,6 +74,55 @@ def test_one_batch_with_profile(tiny_llama: Path, tmp_path: Path, capsys) -> Non
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[0].split()[:3] == ["model", "decode", "bs"]
     assert "profile of the warm decode steps" in out
+
+
+# ---- attention -----------------------------------------------------------------------------
+
+
+def test_attention_on_the_cpu(tmp_path: Path, capsys) -> None:
+    output = tmp_path / "attention.json"
+    attention.main(
+        [
+            *("--device", "cpu", "--dtype", "float32", "--backends", "torch_native"),
+            *("--model-shape", "llama-3.2-1b", "--decode-batch", "1", "2"),
+            *("--decode-context", "4", "9", "--prefill-tokens", "3", "--runs", "2"),
+            *("--warmup", "1", "--compile-cache-dir", str(tmp_path / "cache")),
+            *("--output", str(output)),
+        ]
+    )
+    data = json.loads(output.read_text())
+    rows = data["rows"]
+    keys = ("phase", "batch_size", "context", "prefix", "new_tokens")
+    assert [tuple(r[k] for k in keys) for r in rows] == [
+        ("decode", 1, 4, 3, 1),
+        ("decode", 1, 9, 8, 1),
+        ("decode", 2, 4, 3, 1),
+        ("decode", 2, 9, 8, 1),
+        ("prefill", 1, 3, 0, 3),  # from scratch
+        ("prefill", 1, 6, 3, 3),  # over a prefix as long
+    ]
+    for r in rows:
+        assert r["model_shape"] == "llama-3.2-1b" and r["backend"] == "torch_native"
+        assert r["op_ms"] > 0 and r["op_ms_p90"] >= r["op_ms"] and r["plan_ms"] >= 0
+        assert r["first_call_s"] > 0
+        kv_bytes = 2 * r["batch_size"] * r["context"] * 8 * 64 * 4  # K and V, 8 heads of 64, fp32
+        assert r["kv_gb_s"] == pytest.approx(kv_bytes / r["op_ms"] / 1e6, abs=0.051)
+        assert (r["max_diff_vs"], r["max_diff"]) == ("torch_native", 0.0)  # itself
+    assert data["machine"]["torch"] == torch.__version__
+    assert capsys.readouterr().out.splitlines()[0].split()[:3] == ["shape", "backend", "phase"]
+
+
+def test_attention_cases() -> None:
+    decode, prefill = attention.ForwardMode.DECODE, attention.ForwardMode.EXTEND
+    got = attention.cases([1, 8], [128], [64], "both")
+    assert got == [
+        attention.Case(decode, 1, 127, 1),
+        attention.Case(decode, 8, 127, 1),
+        attention.Case(prefill, 1, 0, 64),
+        attention.Case(prefill, 1, 64, 64),
+    ]
+    assert [c.kv_tokens for c in got] == [128, 1024, 64, 128]
+    assert attention.cases([1], [16], [8], "none")[-1] == attention.Case(prefill, 1, 0, 8)
 
 
 def test_trace_summary_counts_kernels_and_waits() -> None:

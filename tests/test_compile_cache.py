@@ -97,6 +97,15 @@ def test_cache_key_follows_the_gpu_and_its_driver(monkeypatch: pytest.MonkeyPatc
     assert "runtime" in factor
 
 
+def test_key_changes_with_the_attention_kernels_version() -> None:
+    def key(kernels: dict[str, str] | None) -> str:
+        return collect_factors({}, torch.device("cpu"), Path(__file__), kernels=kernels).key()
+
+    assert key(None) == key({})
+    assert key({"flashinfer": "0.5.3"}) != key({})
+    assert key({"flashinfer": "0.5.3"}) != key({"flashinfer": "0.6.0"})
+
+
 # ---- artifacts ----------------------------------------------------------------------------------
 
 
@@ -295,7 +304,9 @@ def test_tool_caches_go_under_the_root_unless_set_at_launch(
     root = cache.root.path
     assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
-    assert {stat.S_IMODE((root / d).stat().st_mode) for d in ("triton", "inductor")} == {0o700}
+    assert os.environ["FLASHINFER_WORKSPACE_BASE"] == str(root / "flashinfer")
+    tools = ("triton", "inductor", "flashinfer")
+    assert {stat.S_IMODE((root / d).stat().st_mode) for d in tools} == {0o700}
     from torch._inductor import codecache
 
     monkeypatch.setattr(codecache, "_HEADER_DIR", codecache._HEADER_DIR)

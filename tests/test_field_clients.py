@@ -203,6 +203,7 @@ def test_the_installed_command_runs_each_module_main(capsys: pytest.CaptureFixtu
     for argv, prog in (
         (["serve", "--help"], "python -m srt.launch_server"),
         (["bench", "serving", "--help"], "python -m srt.bench.serving"),
+        (["bench", "attention", "--help"], "python -m srt.bench.attention"),
         (["tool", "make_tiny_model", "--help"], "python -m srt.tools.make_tiny_model"),
     ):
         with pytest.raises(SystemExit) as done:

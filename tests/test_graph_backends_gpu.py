@@ -1,6 +1,8 @@
 """Graph backends on CUDA: every decode backend x every prefill backend x capture mode gives the
-greedy ids of disabled/disabled on an 8-layer random Llama in bf16; every bucket is captured
-exactly once and replayed; a tiny graph-memory budget skips captures without a crash.
+greedy ids of disabled/disabled on an 8-layer random Llama in bf16, for each attention backend
+(triton; flashinfer where it is installed, except prefill `full`, which it refuses: it runs
+prefill outside graphs); every bucket is captured exactly once and replayed; a tiny
+graph-memory budget skips captures without a crash.
 
 Self-contained: the model is built here with make_tiny_model. Each combination runs its three
 capture modes in order against one compile cache (lazy first, so that `manifest` then has the
@@ -16,13 +18,18 @@ from typing import Any
 import pytest
 import torch
 
-from srt import Engine
+from srt import Engine, flashinfer_support
 from srt.model_executor.graphs.config import GraphConfigError
 
 pytestmark = pytest.mark.gpu
 
 BACKENDS = ["disabled", "full", "breakable", "tc_piecewise"]
 ATTENTION = "triton" if importlib.util.find_spec("triton") else "torch_native"
+NO_FLASHINFER = pytest.mark.skipif(
+    not flashinfer_support.installed(),
+    reason="flashinfer is not installed (pip install 'srt[flashinfer]')",
+)
+ATTENTION_BACKENDS = [ATTENTION, pytest.param("flashinfer", marks=NO_FLASHINFER)]
 LADDERS = {"cuda_graph_bs_decode": [1, 2, 4, 8], "cuda_graph_bs_prefill": [16, 32, 64, 128, 256]}
 # Five requests finishing after 12, 4, 9, 16 and 7 tokens: decode batches of 5 (padded to 8),
 # 4, 3 (padded to 4), 2 and 1; one prefill of 5 + 17 + 33 + 9 + 60 = 124 tokens (to 128).
@@ -56,16 +63,22 @@ def prompts() -> list[list[int]]:
 PARAMS = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in NEW_TOKENS]
 
 
-def engine(path: Path, cache: Path, **kwargs: Any) -> Engine:
-    # No prefix caching: a second round repeats the first round's batches exactly.
+def engine(
+    path: Path,
+    cache: Path,
+    attention: str = ATTENTION,
+    enable_prefix_caching: bool = False,
+    **kwargs: Any,
+) -> Engine:
+    # No prefix caching by default: a second round repeats the first round's batches exactly.
     return Engine(
         model_path=str(path),
         device="cuda",
         dtype="bfloat16",
-        attention_backend=ATTENTION,
+        attention_backend=attention,
         max_total_tokens=4096,
         max_running_requests=16,
-        enable_prefix_caching=False,
+        enable_prefix_caching=enable_prefix_caching,
         compile_cache_dir=str(cache),
         **LADDERS,
         **kwargs,
@@ -83,11 +96,11 @@ def close(eng: Engine) -> None:
     torch.cuda.empty_cache()
 
 
-@pytest.fixture(scope="module")
-def reference(llama8: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+def eager_ids(path: Path, cache: Path, attention: str) -> list[list[int]]:
     eng = engine(
-        llama8,
-        tmp_path_factory.mktemp("ref-cache"),
+        path,
+        cache,
+        attention,
         cuda_graph_backend_decode="disabled",
         cuda_graph_backend_prefill="disabled",
     )
@@ -95,6 +108,25 @@ def reference(llama8: Path, tmp_path_factory: pytest.TempPathFactory) -> list[li
         return generate(eng)
     finally:
         close(eng)
+
+
+@pytest.fixture(scope="module")
+def reference(llama8: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    return eager_ids(llama8, tmp_path_factory.mktemp("ref-cache"), ATTENTION)
+
+
+@pytest.fixture(scope="module", params=ATTENTION_BACKENDS)
+def attention(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+@pytest.fixture(scope="module")
+def eager_reference(
+    llama8: Path, attention: str, tmp_path_factory: pytest.TempPathFactory
+) -> list[list[int]]:
+    """The attention backend's own eager ids: another backend's kernels round differently."""
+    return eager_ids(llama8, tmp_path_factory.mktemp(f"ref-cache-{attention}"), attention)
 
 
 def first_divergence(got: list[list[int]], want: list[list[int]]) -> str:
@@ -124,18 +156,26 @@ def check_captures(eng: Engine, backends: dict[str, str]) -> dict[str, Any]:
 def test_backends_match_eager(
     llama8: Path,
     tmp_path: Path,
-    reference: list[list[int]],
+    attention: str,
+    eager_reference: list[list[int]],
     decode: str,
     prefill: str,
 ) -> None:
     if decode == prefill == "disabled":
         pytest.skip("the reference itself")
+    if attention == "flashinfer" and prefill == "full":
+        pytest.skip(
+            "flashinfer runs prefill outside CUDA graphs (graph_modes: decode); startup "
+            "refuses prefill full (test_full_needs_a_capturable_attention_backend)"
+        )
+    reference = eager_reference
     backends = {"decode": decode, "prefill": prefill}
     lazy_captured: dict[str, list[int]] = {}
     for mode in ("lazy", "upfront", "manifest"):
         eng = engine(
             llama8,
             tmp_path / "cache",
+            attention,
             cuda_graph_backend_decode=decode,
             cuda_graph_backend_prefill=prefill,
             cuda_graph_capture=mode,
@@ -288,16 +328,55 @@ def test_pool_is_shared_and_reused(llama8: Path, tmp_path: Path) -> None:
         close(eng)
 
 
-def test_full_needs_a_capturable_attention_backend(llama8: Path, tmp_path: Path) -> None:
-    with pytest.raises(GraphConfigError, match="--cuda-graph-backend-decode full"):
+@pytest.mark.parametrize(
+    ("attention", "phase"),
+    [("torch_native", "decode"), pytest.param("flashinfer", "prefill", marks=NO_FLASHINFER)],
+)
+def test_full_needs_a_capturable_attention_backend(
+    llama8: Path, tmp_path: Path, attention: str, phase: str
+) -> None:
+    with pytest.raises(GraphConfigError, match=f"--cuda-graph-backend-{phase} full"):
         Engine(
             model_path=str(llama8),
             device="cuda",
-            attention_backend="torch_native",
+            attention_backend=attention,
             max_total_tokens=1024,
             compile_cache_dir=str(tmp_path),
-            cuda_graph_backend_decode="full",
+            **{f"cuda_graph_backend_{phase}": "full"},
         )
+
+
+@NO_FLASHINFER
+@pytest.mark.parametrize("decode", ["full", "tc_piecewise"])
+def test_flashinfer_prefill_over_cached_prefixes(llama8: Path, tmp_path: Path, decode: str) -> None:
+    """Prompts that share a prefix with an earlier one extend from the prefix cache (FlashInfer's
+    paged prefill): they report the cached tokens, and start as they do uncached (their first
+    two tokens: the paged and the ragged kernel round differently, and random weights leave
+    near ties)."""
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 500, (40,), generator=gen).tolist()
+    tails = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (3, 11, 25)]
+    later = [shared + tail for tail in tails]
+    params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    runs = {}
+    for caching in (False, True):
+        eng = engine(
+            llama8,
+            tmp_path / str(caching),
+            "flashinfer",
+            enable_prefix_caching=caching,
+            cuda_graph_backend_decode=decode,
+            cuda_graph_backend_prefill="tc_piecewise",
+        )
+        try:
+            eng.generate(input_ids=shared + [7], sampling_params=params)  # caches the prefix
+            runs[caching] = eng.generate(input_ids=later, sampling_params=params)
+        finally:
+            close(eng)
+    assert all(r["meta_info"]["cached_tokens"] >= len(shared) for r in runs[True])
+    assert all(r["meta_info"]["cached_tokens"] == 0 for r in runs[False])
+    for cached, uncached in zip(runs[True], runs[False], strict=True):
+        assert cached["output_ids"][:2] == uncached["output_ids"][:2]
 
 
 def test_a_capture_cut_short_by_an_error_leaves_the_device_usable() -> None:

@@ -742,6 +742,7 @@ def test_startup_breakdown(server: ServerProcess) -> None:
             "dynamo_s",
             "graph_load_s",
             "inductor_s",
+            "flashinfer_jit_s",
             "warmup_s",
             "capture_s",
             "other_s",

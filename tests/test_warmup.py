@@ -3,8 +3,10 @@ log after it: the warm-up changes nothing serving sees, and compiles after ready
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +18,7 @@ from graph_emulation import EmulatedCapturer
 
 import srt.model_executor.graphs.full as cuda_graph_runner
 import srt.model_executor.graphs.pool as graph_memory
+import srt.model_executor.jit_misses as jit_misses
 from srt import Engine
 from srt.batch_layout import DUMMY_SLOT, ForwardMode
 from srt.ipc.reports import JitMiss
@@ -62,7 +65,7 @@ def test_warmup_runs_before_ready_and_leaves_no_trace(
     with eng:
         info = eng.get_server_info()
         assert info["runner"]["warmup_s"] >= 0
-        assert sum("warm-up: 2 dummy steps" in r.getMessage() for r in caplog.records) == 1
+        assert sum("warm-up: 3 dummy steps" in r.getMessage() for r in caplog.records) == 1
         assert dummy_slot_written(eng)  # it ran the model, writing KV to the dummy slot only
         assert not kv_outside_the_dummy_slot(eng).any()
         assert not eng.runner.req_to_token.any()  # the table row it used is restored
@@ -141,9 +144,11 @@ def test_compiled_phases_warm_up_on_the_general_graph_only(
 
 @pytest.mark.parametrize("context_length", [1, 2, 5, 4096])
 def test_warmup_plans_fit_the_context(context_length: int) -> None:
-    prefill, decode = warmup_plans(context_length)
-    assert (prefill.forward_mode, decode.forward_mode) == (ForwardMode.EXTEND, ForwardMode.DECODE)
-    for plan in (prefill, decode):
+    fresh, prefill, decode = warmup_plans(context_length)
+    modes = (fresh.forward_mode, prefill.forward_mode, decode.forward_mode)
+    assert modes == (ForwardMode.EXTEND, ForwardMode.EXTEND, ForwardMode.DECODE)
+    assert fresh.prefix_lens.tolist() == [0]  # a prompt from scratch
+    for plan in (fresh, prefill, decode):
         seq = int(plan.prefix_lens[0] + plan.extend_lens[0])
         assert seq <= context_length
         assert plan.positions.tolist() == list(range(int(plan.prefix_lens[0]), seq))
@@ -219,11 +224,47 @@ def test_triton_hooks_time_each_compile_and_chain() -> None:
     assert len(misses) == 1
 
 
+def test_flashinfer_builds_are_summed_and_a_compile_after_ready_is_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every FlashInfer module goes through `flashinfer.jit.JitSpec.build_and_load`, which
+    runs ninja (nvcc for a module its cache lacks) and loads the library: one that the call
+    wrote was compiled, one it did not was only loaded."""
+
+    class JitSpec:  # what the hook reads of flashinfer.jit.JitSpec
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.jit_library_path = tmp_path / name / f"{name}.so"
+
+        def build_and_load(self) -> str:
+            if not self.jit_library_path.exists():  # ninja builds only what is missing
+                self.jit_library_path.parent.mkdir()
+                self.jit_library_path.write_bytes(b"\x7fELF")
+            return f"module {self.name}"
+
+    fake = SimpleNamespace(__version__="0.5.3", jit=SimpleNamespace(JitSpec=JitSpec))
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(jit_misses, "_flashinfer_hooked", False)
+    before = dataclasses.replace(jit_misses.flashinfer_builds)
+    jit_misses.install_hooks()  # as the runner does before its warm-up
+    assert JitSpec("decode").build_and_load() == "module decode"  # compiled, before ready
+    log = JitMissLog()
+    log.arm()
+    JitSpec("decode").build_and_load()  # in the cache: loaded, no miss
+    assert log.count == 0
+    JitSpec("prefill").build_and_load()  # compiled after ready
+    assert [m.what for m in log.info().listed] == ["flashinfer prefill"]
+    built = jit_misses.flashinfer_builds.since(before)
+    assert (built.compiled, built.loaded) == (2, 1) and built.s >= 0
+
+
 def test_engine_info_has_the_miss_log(tiny_llama: Path, tmp_path: Path) -> None:
     with make_engine(tiny_llama, tmp_path) as eng:
         eng.generate(input_ids=PROMPTS[0], sampling_params=PARAMS[0])
         misses = eng.get_server_info()["runner"]["jit_misses"]
         assert misses == {"count": 0, "listed": []}  # the CPU eager path compiles nothing
+        flashinfer = eng.get_server_info()["runner"]["flashinfer_jit"]
+        assert flashinfer == {"compiled": 0, "loaded": 0, "s": 0.0}  # another backend
 
 
 @pytest.fixture

@@ -2,17 +2,22 @@
 batch runs, so requests compile nothing after ready; without it the compiles land after ready
 and are logged as JIT misses. Each test first empties the kernels' in-process caches, so that
 what an earlier test compiled cannot hide a compile (Triton's disk cache still serves the
-binaries)."""
+binaries). With the FlashInfer backend (where it is installed), in fresh processes: its
+modules build under the compile cache root before ready, and a restart compiles none."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from srt import Engine
+from srt import Engine, flashinfer_support
 
 pytestmark = pytest.mark.gpu
 
@@ -92,3 +97,59 @@ def test_without_warmup_the_first_request_compiles_and_it_is_logged(
     compiled = {what.split("[")[0] for what in triton}
     assert {"_extend_kernel", "_decode_split_kernel", "_decode_merge_kernel"} <= compiled
     assert all(m["ms"] > 0 and m["during"] for m in misses)
+
+
+def flashinfer_start(model: Path, cache: Path) -> dict[str, Any]:
+    """Start an engine on FlashInfer in a fresh interpreter (FlashInfer fixes its JIT
+    directory at import, and keeps the modules it loaded for the life of the process) and
+    serve one request: the runner's FlashInfer builds and JIT misses, and that directory."""
+    code = (
+        "import json, sys\n"
+        "from srt import Engine\n"
+        "with Engine(model_path=sys.argv[1], device='cuda', dtype='bfloat16',\n"
+        "            attention_backend='flashinfer', compile_cache_dir=sys.argv[2],\n"
+        "            max_total_tokens=4096) as eng:\n"
+        f"    eng.generate(input_ids={PROMPT!r}, sampling_params={GREEDY!r})\n"
+        "    runner = eng.get_server_info()['runner']\n"
+        # Imported by the runner, once it had pointed the JIT directory under the root.
+        "    import flashinfer.jit.env as jit_env\n"
+        "print(json.dumps({'builds': runner['flashinfer_jit'], 'misses': runner['jit_misses'],\n"
+        "                  'jit_dir': str(jit_env.FLASHINFER_JIT_DIR)}))\n"
+    )
+    # Where FlashInfer builds is the runner's choice here, not a location set at launch.
+    env = {k: v for k, v in os.environ.items() if k != "FLASHINFER_WORKSPACE_BASE"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(model), str(cache)],
+        cwd=Path(__file__).resolve().parents[1],  # the repository: `import srt` finds it
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,  # a cold start compiles FlashInfer's modules: minutes each
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.skipif(
+    not flashinfer_support.installed(),
+    reason="flashinfer is not installed (pip install 'srt[flashinfer]')",
+)
+def test_flashinfer_builds_under_the_cache_root_and_a_restart_compiles_none(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    # Head size 64, 4 query heads per KV head (decode on tensor cores, as the 1B and 8B run it).
+    model = tiny_model_factory(
+        "llama", dtype="bfloat16", hidden_size=256, num_heads=4, num_kv_heads=1
+    )
+    cache = tmp_path / "cache"
+    cold = flashinfer_start(model, cache)
+    assert Path(cold["jit_dir"]).is_relative_to(cache / "flashinfer")
+    # The FA2 module (decode, paged prefill) and, on Hopper, the FA3 one (ragged prefill).
+    assert cold["builds"]["compiled"] >= 1
+    flashinfer_misses = [m for m in cold["misses"]["listed"] if m["what"].startswith("flashinfer")]
+    assert flashinfer_misses == []  # the warm-up built every module the request needed
+    warm = flashinfer_start(model, cache)
+    assert warm["builds"]["compiled"] == 0
+    assert warm["builds"]["loaded"] == cold["builds"]["compiled"] + cold["builds"]["loaded"]
+    assert warm["builds"]["s"] < cold["builds"]["s"]

@@ -8,8 +8,10 @@
 - `cold_start`: real servers per configuration, cold and warm compile cache: time to ready and
   its breakdown, first requests and first bucket hits against the steady state;
 - `hf_baseline`: transformers on the same shape (eager, static cache, `torch.compile`), the
-  bandwidth floor and the bare cuBLAS chain of a decode step.
+  bandwidth floor and the bare cuBLAS chain of a decode step;
+- `attention`: the attention op alone per backend, decode and prefill (fresh and over a cached
+  prefix) at serving's sizes, on a shape's heads, with each backend's first call apart.
 
 Each prints a table last and writes JSON. Model sources: `--model-path DIR`, or `--model-shape`
-(a published shape, `srt.tools.model_shapes`).
+(a published shape, `srt.tools.model_shapes`; `attention` takes only the shape's heads).
 """

@@ -338,6 +338,7 @@ PARTS_TABLE = [
     ("kernels import", "model_runner_custom_ops_s"),
     ("dynamo", "model_runner_dynamo_s"),
     ("inductor", "model_runner_inductor_s"),
+    ("flashinfer JIT", "model_runner_flashinfer_jit_s"),
     ("warm-up", "model_runner_warmup_s"),
     ("capture", "model_runner_capture_s"),
     ("runner other", "model_runner_other_s"),

@@ -5,6 +5,8 @@ included; a root that already exists with a looser mode is used, with a warning)
 
     <root>/                     --compile-cache-dir (default ~/.cache/srt/compile), resolved once
       triton/                   TRITON_CACHE_DIR: Triton's kernel cache, shared by every entry
+      flashinfer/               FLASHINFER_WORKSPACE_BASE: FlashInfer's JIT-built modules
+                                (.cache/flashinfer/<version>/<arch>/cached_ops/), shared too
       inductor/                 TORCHINDUCTOR_CACHE_DIR outside a session, shared by every entry
         precompiled_headers/    Inductor's C++ precompiled headers, checked (`precompiled_headers`)
       <key>/                    one entry per cache key (`cache_key`)
@@ -28,9 +30,11 @@ there, is removed and rebuilt (`file_index`).
 
 Triton's cache and Inductor's precompiled headers are shared across entries: both are
 content-addressed by their tools (a new config reuses what an old one built); Triton replaces
-its files atomically, and the headers are built under a lock and checked against an index. A
-variable the user set when launching (`TRITON_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`) is
-respected, and the log says so.
+its files atomically, and the headers are built under a lock and checked against an index.
+FlashInfer's modules are shared the same way: it names each by its version, GPU architecture
+and every template argument, and builds and loads them under a file lock. A variable the user
+set when launching (`TRITON_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`, `FLASHINFER_WORKSPACE_BASE`)
+is respected, and the log says so.
 """
 
 from __future__ import annotations

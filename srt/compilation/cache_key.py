@@ -6,7 +6,9 @@ it holds would be compiled the same way again.
 - config: the model config and the runtime options that change the graph (the caller's);
 - code: srt's own source and the model's file, by content;
 - compiler: torch, triton, Python, the device: the CPU's ISA and feature flags, Inductor's
-  settings and thread count, the GPU's compute capability, driver and CUDA runtime.
+  settings and thread count, the GPU's compute capability, driver and CUDA runtime; and the
+  versions of any other kernel package the attention backend runs (the caller's: this
+  package imports none of them).
 
 Each entry writes its factors out (`factors.json`), to read why a key changed.
 """
@@ -138,13 +140,17 @@ def cuda_factor(device: torch.device) -> dict[str, Any]:
     }
 
 
-def compiler_factor(device: torch.device, inductor: bool = True) -> dict[str, Any]:
+def compiler_factor(
+    device: torch.device, inductor: bool = True, kernels: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The toolchain. Inductor's settings only where it compiles (`inductor`): reading them
-    imports Inductor and Dynamo, seconds of startup for a setup that only captures."""
+    imports Inductor and Dynamo, seconds of startup for a setup that only captures.
+    `kernels`: other kernel packages the runner calls, by name, and their versions."""
     factor: dict[str, Any] = {
         "torch": torch.__version__,
         "torch_git": torch.version.git_version,
         "triton": _package_version("triton"),
+        "kernels": dict(sorted((kernels or {}).items())),
         "python": platform.python_version(),
         "device": device.type,
         "cpu": cpu_factor(),  # CUDA graphs can hold CPU kernels too; the host is the host
@@ -173,13 +179,15 @@ def collect_factors(
     model_file: Path,
     source_roots: Sequence[Path] = (SRT_ROOT,),
     inductor: bool = True,
+    kernels: dict[str, str] | None = None,
 ) -> CacheFactors:
     """The factors of this process: `config` is the model config plus the graph-relevant
     runtime options; the code factor covers `source_roots` and `model_file`; `inductor`:
-    whether anything cached is Inductor's output."""
+    whether anything cached is Inductor's output; `kernels`: the versions of the other kernel
+    packages the runner calls (the flashinfer attention backend's)."""
     return CacheFactors(
         environment=environment_factor(),
         config=config,
         code=code_factor(source_files([*source_roots, model_file])),
-        compiler=compiler_factor(device, inductor),
+        compiler=compiler_factor(device, inductor, kernels),
     )

@@ -42,7 +42,14 @@ FLAG = "--compile-cache-dir"
 # The tools' cache locations, as the process was launched: srt points them under the compile
 # cache root only where the user left them unset (it sets them itself later in the process,
 # and Inductor writes its default into TORCHINDUCTOR_CACHE_DIR on first use).
-TOOL_CACHE_DIRS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+TOOL_CACHE_DIRS = {
+    "TRITON_CACHE_DIR": "triton",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+}
+# The tools that build with command lines (a C++ compiler, ninja and nvcc): their directories
+# go where such a command can take the path (`builds_in`).
+BUILDING_TOOLS = frozenset({"TORCHINDUCTOR_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"})
 LAUNCH_TOOL_CACHE_DIRS = {name: os.environ.get(name) for name in TOOL_CACHE_DIRS}
 # What a write into a directory that cannot take one raises.
 READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -171,10 +178,12 @@ def open_cache_root(root: Path) -> CacheRoot:
 
 
 def point_tool_caches(root: CacheRoot) -> dict[str, str]:
-    """Point Triton's and Inductor's caches under `root` (`triton/`, `inductor/`; Inductor's
-    where it can build) for this process, each unless the user set it at launch; returns
-    where each now is. Both tools read the variable when they compile (Triton per kernel,
-    Inductor per cache access), so setting it before the first compile is enough."""
+    """Point Triton's, Inductor's and FlashInfer's caches under `root` (`triton/`,
+    `inductor/`, `flashinfer/`; the last two where a build command can take the path) for
+    this process, each unless the user set it at launch; returns where each now is. Triton
+    and Inductor read the variable when they compile (per kernel, per cache access),
+    FlashInfer when it is imported (`flashinfer.jit.env`): so this must run before the first
+    compile and before FlashInfer's import."""
     where = {}
     for name, sub in TOOL_CACHE_DIRS.items():
         chosen = LAUNCH_TOOL_CACHE_DIRS[name]
@@ -183,7 +192,7 @@ def point_tool_caches(root: CacheRoot) -> dict[str, str]:
                 "compile cache: %s=%s as set at launch (not under %s)", name, chosen, root.path
             )
         else:
-            parent = root.builds if name == "TORCHINDUCTOR_CACHE_DIR" else root.tools
+            parent = root.builds if name in BUILDING_TOOLS else root.tools
             chosen = str(make_private_dir(parent / sub))
             os.environ[name] = chosen
         where[name] = chosen

@@ -112,6 +112,17 @@ class JitMissesInfo:
 
 
 @dataclass(frozen=True)
+class JitBuildsInfo:
+    """FlashInfer's JIT modules before ready: compiled with nvcc (not in the cache yet) or only
+    loaded, and the seconds both took (in the warm-up or the captures before ready, whose
+    parts of the startup breakdown leave them out)."""
+
+    compiled: int
+    loaded: int
+    s: float
+
+
+@dataclass(frozen=True)
 class RankInfo:
     rank: int
     pid: int
@@ -134,8 +145,9 @@ class RunnerInfo:
     load_s: float
     custom_ops_s: float  # the layer kernels' selection and import
     kv_alloc_s: float
-    warmup_s: float
-    capture_s: float  # captures before ready (upfront, manifest)
+    warmup_s: float  # FlashInfer's JIT builds left out (flashinfer_jit)
+    capture_s: float  # captures before ready (upfront, manifest), the same
+    flashinfer_jit: JitBuildsInfo
     jit_misses: JitMissesInfo
     graph_pool: GraphPoolInfo
     compile: CompileInfo  # the piecewise compile (zeros when no phase compiles)

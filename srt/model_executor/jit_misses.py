@@ -1,4 +1,5 @@
-"""JIT compiles after the model runner is ready, logged and counted as misses.
+"""JIT compiles after the model runner is ready, logged and counted as misses; and FlashInfer's
+module builds, timed from the start.
 
 A compile after ready is one a request waits for; each is logged with what compiled, how long
 it took and the step it happened in, so that the warm-up or the capture manifest can cover it
@@ -10,6 +11,13 @@ on the next start. The sources:
 - torch.compile: Dynamo's compile start and end callbacks around each frame it compiles, with
   everything compiled inside (Inductor's code and kernels), e.g. the first hit of a bucket
   under `--enable-torch-compile`.
+- FlashInfer (the `flashinfer` attention backend): every kernel module it JIT-builds goes
+  through `flashinfer.jit.JitSpec.build_and_load` (nvcc through ninja, then the load; only the
+  load when its cache has the module). FlashInfer offers no hook, so that public method is
+  wrapped; a module whose library file the call wrote was compiled (a miss after ready), one
+  it did not was loaded. Its builds are also summed over the whole process
+  (`flashinfer_builds`), hooked as soon as the backend has imported FlashInfer: before ready
+  they are the startup breakdown's `flashinfer_jit_s` (minutes per module on a cold cache).
 
 A lazy CUDA graph capture is not a miss: it is expected, and logged with its cost where it
 happens; a compile inside it is one. The hooks are process-wide, installed once for each JIT
@@ -19,15 +27,17 @@ alive in the process (one per model runner).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from srt.batch_layout import ForwardMode
-from srt.ipc.reports import JitMiss, JitMissesInfo
+from srt.ipc.reports import JitBuildsInfo, JitMiss, JitMissesInfo
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +74,35 @@ class JitMissLog:
         return JitMissesInfo(self.count, tuple(self.listed))
 
 
+@dataclasses.dataclass
+class JitBuilds:
+    """A running count of FlashInfer's module builds: compiled, only loaded, seconds in both."""
+
+    compiled: int = 0
+    loaded: int = 0
+    s: float = 0.0
+
+    def add(self, compiled: bool, seconds: float) -> None:
+        self.compiled += compiled
+        self.loaded += not compiled
+        self.s += seconds
+
+    def since(self, before: JitBuilds) -> JitBuildsInfo:
+        """What was built after the snapshot `before` (a `dataclasses.replace` copy)."""
+        return JitBuildsInfo(
+            self.compiled - before.compiled,
+            self.loaded - before.loaded,
+            round(self.s - before.s, 3),
+        )
+
+
+flashinfer_builds = JitBuilds()  # this process's, all told
 _armed: weakref.WeakSet[JitMissLog] = weakref.WeakSet()
 # Our Dynamo (start, end) callbacks once made: `torch._dynamo.reset()` clears every callback,
 # so they are put back whenever they are found missing.
 _dynamo_callbacks: tuple[Callable[[Any], None], Callable[[Any], None]] | None = None
 _triton_hooked = False
+_flashinfer_hooked = False
 
 
 def report_miss(what: str, ms: float) -> None:
@@ -111,6 +145,34 @@ def install_triton_hooks(runtime: Any, report: Report) -> None:
     runtime.jit_post_compile_hook = on_end
 
 
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def install_flashinfer_hook(jit_spec: Any, report: Report) -> None:
+    """Time each FlashInfer module build through `jit_spec` (`flashinfer.jit.JitSpec`): sum it
+    into `flashinfer_builds`, and report the ones that compiled."""
+    build_and_load = jit_spec.build_and_load
+
+    def timed_build_and_load(spec: Any) -> Any:
+        library = Path(spec.jit_library_path)
+        before = _mtime(library)
+        start = time.perf_counter()
+        try:
+            return build_and_load(spec)
+        finally:
+            seconds = time.perf_counter() - start
+            compiled = _mtime(library) != before
+            flashinfer_builds.add(compiled, seconds)
+            if compiled:
+                report(f"flashinfer {spec.name}", seconds * 1000)
+
+    jit_spec.build_and_load = timed_build_and_load
+
+
 def dynamo_callbacks(report: Report) -> tuple[Callable[[Any], None], Callable[[Any], None]]:
     """Start and end callbacks that time each Dynamo compile (and what compiles inside it) by
     its compile id."""
@@ -151,8 +213,9 @@ def install_hooks() -> None:
     """Hook each JIT this process has imported, once. Importing one only to watch it would
     cost startup time (Dynamo's import takes a second), and one not imported by ready compiles
     nothing after it: srt builds its compiled callables, and imports their JITs, at
-    construction."""
-    global _triton_hooked
+    construction. The runner calls this at ready, and once before the warm-up too, so that
+    FlashInfer's builds there are timed."""
+    global _triton_hooked, _flashinfer_hooked
     if "torch._dynamo" in sys.modules:
         install_dynamo_callbacks()
     triton = sys.modules.get("triton")
@@ -161,5 +224,16 @@ def install_hooks() -> None:
         knobs = getattr(triton, "knobs", None)
         if knobs is None:
             logger.warning("triton %s has no knobs: its compiles go uncounted", triton.__version__)
-            return
-        install_triton_hooks(knobs.runtime, report_miss)
+        else:
+            install_triton_hooks(knobs.runtime, report_miss)
+    flashinfer = sys.modules.get("flashinfer")
+    if not _flashinfer_hooked and flashinfer is not None:
+        _flashinfer_hooked = True
+        jit_spec = getattr(getattr(flashinfer, "jit", None), "JitSpec", None)
+        if not callable(getattr(jit_spec, "build_and_load", None)):
+            logger.warning(
+                "flashinfer %s has no jit.JitSpec.build_and_load: its JIT builds go uncounted",
+                flashinfer.__version__,
+            )
+        else:
+            install_flashinfer_hook(jit_spec, report_miss)

@@ -40,7 +40,7 @@ from srt.model_executor.graphs.config import resolve_graph_config
 from srt.model_executor.graphs.graph_runner import GraphRunner, init_attention_graph_state
 from srt.model_executor.graphs.phase_forward import RunnerEnv
 from srt.model_executor.graphs.pool import GraphPool
-from srt.model_executor.jit_misses import JitMissLog
+from srt.model_executor.jit_misses import JitMissLog, flashinfer_builds, install_hooks
 from srt.model_executor.kv_cache import KVCache
 from srt.model_executor.model_loader import load_model
 from srt.model_executor.runner_setup import (
@@ -75,8 +75,9 @@ class ModelRunner:
         self.config = config
         self.tp = tp or TPRank()
         self.device = torch.device(args.resolved_device())
-        # Triton's and Inductor's caches under the compile cache root before any kernel
-        # compiles, with graphs or without: a restart finds the kernels its warm-up JIT-ed.
+        # Triton's, Inductor's and FlashInfer's caches under the compile cache root before any
+        # kernel compiles (and before the attention backend imports FlashInfer, which reads
+        # its variable then), with graphs or without: a restart finds what its warm-up JIT-ed.
         self.cache_root = open_cache_root(Path(args.compile_cache_dir or default_cache_root()))
         point_tool_caches(self.cache_root)
         self.device_init_s = timed(self._init_device)
@@ -90,6 +91,8 @@ class ModelRunner:
         torch.manual_seed(args.seed)
         self.attention_backend_name = attention_backend_name(args, self.device.type)
         attn_cls = attention_backend_class(self.attention_backend_name)
+        attn_cls.check_device(self.device)  # fail before loading
+        self.attention_kernels = attn_cls.kernel_versions()
         self.graph_configs = resolve_graph_config(  # fail before loading
             args, self.device.type, attn_cls.graph_modes
         )
@@ -106,8 +109,22 @@ class ModelRunner:
             self.attention_backend_name,
         )
         self._build_graphs()
-        self.warmup_s = 0.0 if args.skip_warmup else self._warm_up()
-        self.capture_s = self._prewarm()
+        install_hooks()  # FlashInfer's module builds in the warm-up and captures, timed
+        start = dataclasses.replace(flashinfer_builds)
+        warmup_s = 0.0 if args.skip_warmup else self._warm_up()
+        warmed = dataclasses.replace(flashinfer_builds)
+        capture_s = self._prewarm()
+        # FlashInfer's builds as a part of the startup of their own, out of the two above.
+        self.flashinfer_jit = flashinfer_builds.since(start)
+        self.warmup_s = warmup_s - warmed.since(start).s
+        self.capture_s = capture_s - flashinfer_builds.since(warmed).s
+        if self.flashinfer_jit.compiled or self.flashinfer_jit.loaded:
+            logger.info(
+                "flashinfer JIT: %d module(s) compiled, %d loaded from its cache, in %.2f s",
+                self.flashinfer_jit.compiled,
+                self.flashinfer_jit.loaded,
+                self.flashinfer_jit.s,
+            )
         # Ready from here on: a JIT compile now is one the first requests wait for.
         self.jit_misses = JitMissLog()
         self.jit_misses.arm()
@@ -158,6 +175,7 @@ class ModelRunner:
             self.model,
             self.device,
             self.attention_backend_name,
+            self.attention_kernels,
             self.graph_configs,
             self.custom_ops,
             self.tp,
@@ -197,8 +215,8 @@ class ModelRunner:
             self.req_to_token[WARMUP_ROW].copy_(row)
         seconds = time.perf_counter() - start  # each step's result was waited for
         logger.info(
-            "warm-up: %d dummy steps (prefill over a prefix, decode, sampling, logprobs) in "
-            "%.2f s (--skip-warmup skips it)",
+            "warm-up: %d dummy steps (a prompt, a prefill over a prefix, decode, sampling, "
+            "logprobs) in %.2f s (--skip-warmup skips it)",
             len(plans),
             seconds,
         )
@@ -289,6 +307,7 @@ class ModelRunner:
             kv_alloc_s=round(self.kv_alloc_s, 3),
             warmup_s=round(self.warmup_s, 3),
             capture_s=round(self.capture_s, 3),
+            flashinfer_jit=self.flashinfer_jit,
             jit_misses=self.jit_misses.info(),
             graph_pool=self.graph_pool.info(),
             compile=self.piecewise.info()

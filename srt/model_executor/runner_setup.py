@@ -146,6 +146,7 @@ def compile_cache_factors(
     custom_ops: dict[str, OpImpl],
     tp: TPRank,
     inductor: bool,
+    kernels: dict[str, str] | None = None,
 ) -> CacheFactors:
     """The compile cache factors of this setup (`inductor`: whether anything cached is
     Inductor's output). The config factor is derived from what the
@@ -170,6 +171,7 @@ def compile_cache_factors(
         device,
         model_file,
         inductor=inductor,
+        kernels=kernels,
     )
 
 
@@ -180,12 +182,14 @@ def open_compile_cache(
     model: nn.Module,
     device: torch.device,
     attention_backend: str,
+    attention_kernels: dict[str, str],
     configs: dict[Phase, PhaseConfig],
     custom_ops: dict[str, OpImpl],
     tp: TPRank,
 ) -> CompileCache | None:
     """The compile cache entry of this setup (pieces, capture manifest), when any phase
-    compiles or captures; its key covers everything that changes the graph."""
+    compiles or captures; its key covers everything that changes the graph, and the versions
+    of the attention backend's kernel packages (`attention_kernels`)."""
     if all(c.backend is Backend.DISABLED and c.tc_compiler is None for c in configs.values()):
         return None
     factors = compile_cache_factors(
@@ -199,5 +203,6 @@ def open_compile_cache(
         tp,
         inductor=args.enable_torch_compile
         or any(c.tc_compiler == "inductor" for c in configs.values()),
+        kernels=attention_kernels,
     )
     return CompileCache(root, factors)

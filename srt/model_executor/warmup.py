@@ -9,8 +9,9 @@ moves.
 
 Each plan is one request on table row `WARMUP_ROW` whose every token, cached or new, maps to
 the dummy slot, so KV writes land in the dummy slot only; the runner restores the row after.
-Prefill: a prefix and a few new tokens (the extend kernel over a cached prefix), greedy.
-Decode: batch 1 over the same prefix, seeded top-k / top-p / min-p sampling with logprobs.
+Prefill: a prompt from scratch, then a few new tokens over a cached prefix (the extend kernel
+over a prefix; the flashinfer backend runs the two on different kernels), greedy. Decode:
+batch 1 over the same prefix, seeded top-k / top-p / min-p sampling with logprobs.
 Sampling draws from a hash of (seed, position), not from generator state, so it moves no
 random state that serving sees.
 """
@@ -67,11 +68,14 @@ def warmup_plan(mode: ForwardMode, prefix: int, extend: int, sampled: bool) -> B
 
 
 def warmup_plans(context_length: int) -> list[BatchPlan]:
-    """The prefill and the decode warm-up step, shortened to fit `context_length` tokens."""
+    """The two prefill warm-up steps (from scratch, over a prefix) and the decode one,
+    shortened to fit `context_length` tokens."""
+    prompt = min(WARMUP_PREFIX + WARMUP_EXTEND, context_length)
     prefill_prefix = min(WARMUP_PREFIX, context_length // 2)
     prefill_extend = max(1, min(WARMUP_EXTEND, context_length - prefill_prefix))
     decode_prefix = min(WARMUP_PREFIX, context_length - 1)
     return [
+        warmup_plan(ForwardMode.EXTEND, 0, prompt, sampled=False),
         warmup_plan(ForwardMode.EXTEND, prefill_prefix, prefill_extend, sampled=False),
         warmup_plan(ForwardMode.DECODE, decode_prefix, 1, sampled=True),
     ]

@@ -332,6 +332,7 @@ def runner_parts(info: RunnerInfo) -> dict[str, float]:
         "dynamo_s": compiled.dynamo_s,
         "graph_load_s": compiled.graph_load_s,  # the saved trace, on a warm start
         "inductor_s": compiled.compile_s,
+        "flashinfer_jit_s": info.flashinfer_jit.s,  # its modules' builds, before ready
         "warmup_s": info.warmup_s,
         "capture_s": info.capture_s,
     }

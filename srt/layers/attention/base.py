@@ -46,6 +46,17 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
 
+    @classmethod  # noqa: B027 (an optional hook)
+    def check_device(cls, device: torch.device) -> None:
+        """Raise `ServerArgsError` (naming `--attention-backend`) if this backend cannot run
+        on `device`: the runner asks once it has the device, before it loads the model."""
+
+    @classmethod
+    def kernel_versions(cls) -> dict[str, str]:
+        """The kernel packages this backend runs beyond torch and triton, by name: their
+        versions are part of the compile cache key."""
+        return {}
+
     def write_kv(self, loc: torch.Tensor, x: AttentionInputs) -> None:
         """The one place a step's new K and V go into the cache, at the slots `loc` (`[T]`):
         one Triton launch for both on CUDA (where the backend allows it), indexed assignment

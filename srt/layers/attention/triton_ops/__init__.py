@@ -1,5 +1,5 @@
-"""Triton kernels of the `triton` attention backend (imported only when that backend is used),
-and what their launches share."""
+"""Triton kernels of the attention backends (imported only when a CUDA backend is used), and
+what the `triton` backend's launches share."""
 
 from __future__ import annotations
 

@@ -1,0 +1,61 @@
+"""What the `flashinfer` attention backend needs, checked at startup without importing
+FlashInfer (its import asks every GPU for its compute capability, which initialises CUDA: the
+launcher checks the flags before it spawns anything, and must not).
+
+The facts are FlashInfer 0.5.3's (`TESTED_VERSION`, the version the `flashinfer` extra pins):
+its Hopper prefill kernels, which the backend runs for prompts on H100/H200, are instantiated
+for head sizes 64, 128 and 256 only (a `static_assert` in `attention/hopper/prefill_sm90.cuh`);
+its prefill and grouped-decode kernels run bf16 on tensor-core instructions that sm80
+introduced (FlashInfer itself refuses below sm75).
+
+Each check raises `ServerArgsError` naming `--attention-backend`: the flags and the installed
+package (`ServerArgs.check`), the model's head size once its config is read
+(`ServerArgs.check_model`), the device once the runner has it, before the weights load
+(`FlashInferBackend.check_device`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from srt.server_args import ServerArgsError
+
+DISTRIBUTION = "flashinfer-python"
+TESTED_VERSION = "0.5.3"
+HEAD_SIZES = (64, 128, 256)
+MIN_CAPABILITY = (8, 0)
+
+
+def installed() -> bool:
+    """Whether `import flashinfer` would find the package (it is not imported)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def check_flashinfer(
+    *,
+    installed: bool | None = None,
+    device_type: str | None = None,
+    capability: tuple[int, int] | None = None,
+    head_dim: int | None = None,
+) -> None:
+    """ServerArgsError for the first of the given facts FlashInfer cannot run with; a fact
+    left None is not checked."""
+
+    def refuse(why: str) -> ServerArgsError:
+        return ServerArgsError(
+            "attention_backend", f"flashinfer {why}; or choose --attention-backend triton"
+        )
+
+    if installed is False:
+        raise refuse(
+            f"needs the {DISTRIBUTION} package ({TESTED_VERSION}: "
+            "pip install 'srt[flashinfer]'), which is not installed"
+        )
+    if device_type is not None and device_type != "cuda":
+        raise refuse(f"runs on CUDA GPUs only, not on {device_type}")
+    if capability is not None and tuple(capability) < MIN_CAPABILITY:
+        need, have = (".".join(map(str, c)) for c in (MIN_CAPABILITY, capability))
+        raise refuse(f"needs a GPU of compute capability {need} or newer; this one's is {have}")
+    if head_dim is not None and head_dim not in HEAD_SIZES:
+        sizes = ", ".join(map(str, HEAD_SIZES))
+        raise refuse(f"supports head sizes {sizes}; the model's is {head_dim}")
