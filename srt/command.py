@@ -10,7 +10,7 @@ import importlib
 import sys
 from collections.abc import Callable
 
-BENCHES = ("serving", "one_batch", "hf_baseline", "cold_start", "attention")
+BENCHES = ("serving", "frontend", "one_batch", "hf_baseline", "cold_start", "attention")
 TOOLS = ("make_tiny_model", "make_random_checkpoint", "compile_bisect")
 
 USAGE = f"""usage: srt serve [server flags]      start the server (srt serve --help for the flags)

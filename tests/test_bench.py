@@ -13,7 +13,15 @@ import pytest
 import torch
 from server_helpers import ServerProcess
 
-from srt.bench import attention, cold_start, hf_baseline, one_batch, runner_ceiling, serving
+from srt.bench import (
+    attention,
+    cold_start,
+    frontend,
+    hf_baseline,
+    one_batch,
+    runner_ceiling,
+    serving,
+)
 from srt.bench.runner_ceiling import RunnerFigures
 from srt.bench.serving import RequestRecord, RequestSpec, metrics, run_load
 from srt.model_config import ModelConfig
@@ -74,6 +82,30 @@ def test_one_batch_with_profile(tiny_llama: Path, tmp_path: Path, capsys) -> Non
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[0].split()[:3] == ["model", "decode", "bs"]
     assert "profile of the warm decode steps" in out
+
+
+# ---- frontend ------------------------------------------------------------------------------
+
+
+def test_frontend_against_the_stand_in_scheduler(tmp_path: Path, capsys) -> None:
+    """The main process alone: every request streams exactly its tokens from the stand-in's
+    steps, and the figures add up (no more delivered than offered, an event per step at
+    most, CPU per token and per event that agree with tokens per event)."""
+    output = tmp_path / "frontend.json"
+    frontend.main(
+        ["--step-ms", "2", "--max-concurrency", "2", "4", "--min-requests", "8"]
+        + ["--input-len", "16", "--output-len", "12", "--output-file", str(output)]
+    )
+    runs = json.loads(output.read_text())["runs"]
+    assert [r["max_concurrency"] for r in runs] == [2, 4]
+    for run in runs:
+        assert run["errors"] == 0 and run["completed"] == run["num_requests"] >= 8
+        assert run["total_output_tokens"] == 12 * run["num_requests"]
+        assert 0 < run["of_offered"] <= 1.05
+        assert run["num_requests"] <= run["events"] <= run["total_output_tokens"]
+        per_event = run["front_cpu_us_per_token"] * run["tokens_per_event"]
+        assert per_event == pytest.approx(run["front_cpu_us_per_event"], rel=0.02)
+    assert "of offered" in capsys.readouterr().out
 
 
 # ---- attention -----------------------------------------------------------------------------

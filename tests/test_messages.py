@@ -71,3 +71,42 @@ def test_coalesce_folds_each_sequence_in_order() -> None:
     a = got[0]
     assert (a.new_token_ids, a.logprobs, a.completion_tokens) == ([1, 2, 3], [-1.0, -2.0, -3.0], 3)
     assert a.finished_reason == "length"
+
+
+def test_a_receiver_drains_what_arrived_in_one_wake() -> None:
+    """On an event loop, a receiver returns every message waiting at once, in order, and an
+    await with nothing waiting wakes when the next one comes (the descriptor is
+    edge-triggered: a lost edge would hang here)."""
+    import asyncio
+
+    import zmq
+
+    from srt.ipc.channels import TO_TOKENIZER, Endpoints, Receiver, Sender
+    from srt.ipc.messages import Replies
+
+    endpoints = Endpoints.create()
+    ctx = zmq.Context()
+    inbox, outbox = Receiver(ctx, endpoints, TO_TOKENIZER), Sender(ctx, endpoints, TO_TOKENIZER)
+
+    async def scenario() -> list[list[int]]:
+        got = []
+        for i in range(3):
+            outbox.send(Replies([TokenOutput(f"r{i}", [i])]))
+        while sum(map(len, got)) < 3:
+            got.append([len(m.items) for m in await inbox.recv_all_async()])
+        later = asyncio.get_running_loop().call_later(
+            0.05, outbox.send, Replies([TokenOutput("late", [9])])
+        )
+        woke = await asyncio.wait_for(inbox.recv_all_async(), timeout=5)
+        later.cancel()
+        assert [m.items[0].rid for m in woke] == ["late"]
+        return got
+
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        inbox.close()
+        outbox.close()
+        ctx.term()
+        endpoints.remove()
+    assert sum(map(len, got)) == 3
