@@ -96,6 +96,7 @@ def exercise_kernels() -> None:
     from srt.batch_layout import ForwardMode
     from srt.layers.attention.base import AttentionInputs
     from srt.layers.attention.triton_backend import TritonBackend
+    from srt.layers.attention.triton_ops.kv_indices import kv_indices
     from srt.layers.attention.triton_ops.kv_write import write_kv
     from srt.layers.triton_ops.argmax import argmax_rows
     from tests.layer_op_cases import op_cases
@@ -107,6 +108,16 @@ def exercise_kernels() -> None:
     argmax_rows(torch.randn(3, 5000))
     cache = torch.zeros(10, 2, 24, dtype=torch.float16)
     write_kv(cache, cache.clone(), torch.tensor([3, 5]), *torch.randn(2, 2, 2, 24).half())
+    # FlashInfer's pages: a table of int32 slots, rows and offsets int32 (as the backend has them).
+    table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
+    indptr = torch.tensor([0, 3, 10], dtype=torch.int32)
+    kv_indices(
+        table,
+        torch.tensor([2, 0], dtype=torch.int32),
+        indptr,
+        torch.empty(10, dtype=torch.int32),
+        7,
+    )
     heads, kv_heads, head_dim = 8, 2, 64
     world = World.create(kv_heads, head_dim, torch.float16, "cpu")
     backend = TritonBackend(heads, kv_heads, head_dim)
