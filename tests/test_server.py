@@ -813,3 +813,15 @@ def test_server_info_and_metrics(server: ServerProcess) -> None:
         "srt_startup_seconds",
     ):
         assert gauge in samples
+
+
+def test_an_event_stays_one_line_whatever_the_text() -> None:
+    """Text with the line breaks JSON leaves raw (NEL, U+2028, U+2029) and the ones it escapes
+    still makes one event line for a line reader that splits as Python does (httpx's), and
+    reads back as the same text."""
+    from srt.server.http.common import sse_event
+
+    text = "a\x85b\u2028c\u2029d\ne\rf\x1cg\x0bh"
+    lines = [line for line in sse_event({"text": text}).decode().splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: ") :]) == {"text": text}

@@ -69,8 +69,24 @@ def error_response(
     return OrjsonResponse(error_body(message, err_type, param, code), status_code=status)
 
 
-def _event(payload: Any) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+# Line breaks that JSON leaves raw in strings, at which line readers that follow Python's
+# str.splitlines (httpx's `aiter_lines`) cut an event in two: escaped, so that an event stays
+# one line whatever text a model emits. Each byte sequence is that character's UTF-8 and
+# nothing else's (a lead byte starts it).
+_RAW_LINE_BREAKS = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
+
+
+def sse_event(payload: Any) -> bytes:
+    """One server-sent event carrying `payload` as JSON, on one line."""
+    data = orjson.dumps(payload)
+    for raw, escaped in _RAW_LINE_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 async def sse(events: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[bytes, None]:
@@ -79,11 +95,11 @@ async def sse(events: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[by
     try:
         async with aclosing(events):
             async for event in events:
-                yield _event(event)
+                yield sse_event(event)
     except ServerNotReady as e:
-        yield _event(error_body(str(e), "server_error", code="unavailable"))
+        yield sse_event(error_body(str(e), "server_error", code="unavailable"))
     except ValueError as e:
-        yield _event(
+        yield sse_event(
             error_body(str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
         )
     yield b"data: [DONE]\n\n"
