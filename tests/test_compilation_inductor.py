@@ -179,9 +179,9 @@ def test_artifacts_swapped_between_pieces_are_rejected(
     assert len(rejected) == 2
 
 
-# A warm start in a child process: a damaged .so can kill the process that dlopens it
-# (SIGBUS), which must not take the test session with it.
-WARM_START = """
+# What a child start script begins with: the test helpers, and srt.compilation's warnings
+# collected in `records`.
+CHILD_PROLOGUE = """
 import json, logging, sys
 from pathlib import Path
 sys.path.insert(0, "tests")
@@ -191,10 +191,18 @@ handler = logging.Handler()
 handler.emit = lambda r: records.append(r.getMessage())
 logging.getLogger("srt.compilation").addHandler(handler)
 logging.getLogger("srt.compilation").setLevel(logging.WARNING)
+"""
+
+# A warm start in a child process: a damaged .so can kill the process that dlopens it
+# (SIGBUS), which must not take the test session with it.
+WARM_START = (
+    CHILD_PROLOGUE
+    + """
 with tc_engine(Path(sys.argv[1]), Path(sys.argv[2]), "inductor") as eng:
     info = eng.get_server_info()["compile"]
     print(json.dumps({"ids": greedy_ids(eng), "hit": info["cache_hit"], "warnings": records}))
 """
+)
 
 
 def child_env() -> dict[str, str]:
@@ -203,9 +211,11 @@ def child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in TOOL_CACHE_DIRS}
 
 
-def warm_start_in_a_child(model: Path, root: Path) -> dict[str, Any]:
+def run_in_a_child(argv: list[str]) -> dict[str, Any]:
+    """Run a child start (`argv`, from the repository, as a fresh start's environment has
+    it); the JSON its last line printed."""
     done = subprocess.run(
-        [sys.executable, "-c", WARM_START, str(model), str(root)],
+        argv,
         capture_output=True,
         text=True,
         timeout=600,
@@ -214,6 +224,10 @@ def warm_start_in_a_child(model: Path, root: Path) -> dict[str, Any]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def warm_start_in_a_child(model: Path, root: Path) -> dict[str, Any]:
+    return run_in_a_child([sys.executable, "-c", WARM_START, str(model), str(root)])
 
 
 def test_damaged_inductor_output_and_headers_are_rebuilt_not_loaded(
@@ -298,19 +312,12 @@ def test_a_warm_start_without_a_cpp_compiler_says_why(
         cpp_compiler_search.cache_clear()
 
 
-READ_ONLY_STARTS = """
-import json, logging, sys
-from pathlib import Path
-sys.path.insert(0, "tests")
-from compile_helpers import greedy_ids, tc_engine
+READ_ONLY_STARTS = (
+    CHILD_PROLOGUE
+    + """
 from srt import Engine
 from srt.compilation.cache import CompileCache
 from srt.compilation.cache_key import CacheFactors
-records = []
-handler = logging.Handler()
-handler.emit = lambda r: records.append(r.getMessage())
-logging.getLogger("srt.compilation").addHandler(handler)
-logging.getLogger("srt.compilation").setLevel(logging.WARNING)
 model, root = Path(sys.argv[1]), Path(sys.argv[2])
 options = {"model_path": str(model), "device": "cpu", "dtype": "float32"}
 with Engine(compile_cache_dir=str(root), **options) as eng:
@@ -321,6 +328,7 @@ with tc_engine(model, root, "inductor") as eng:
 other = CompileCache(root, CacheFactors({}, {"another": "config"}, "code", {}))
 print(json.dumps({"plain": plain, "warm": warm, "other": str(other.dir), "warnings": records}))
 """
+)
 
 
 def test_a_read_only_root_is_used_as_it_is(
@@ -335,16 +343,7 @@ def test_a_read_only_root_is_used_as_it_is(
         f"mount --bind {source} {mounted} && mount -o remount,bind,ro {mounted} && "
         f'exec "$0" -c "$1" {tiny_llama} {mounted}'
     )
-    done = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script, sys.executable, READ_ONLY_STARTS],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parent.parent,
-        env=child_env(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_in_a_child(["unshare", "-m", "sh", "-c", script, sys.executable, READ_ONLY_STARTS])
     assert result["plain"] == reference
     assert result["warm"]["ids"] == reference and result["warm"]["hit"] is True
     assert Path(result["warm"]["dir"]).parent == mounted  # its entry, used where it is
