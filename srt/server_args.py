@@ -76,6 +76,12 @@ class ServerArgs:
     overlap_depth: int = _opt(
         2, "With overlap: steps launched ahead of the one whose result is processed."
     )
+    stream_interval: int = _opt(
+        1,
+        "Send a running request's new tokens to the tokenizer side every this many tokens "
+        "(its first at once, the rest with its end), as SGLang's --stream-interval: fewer, "
+        "larger stream events and less main-process work per token, a chunkier stream.",
+    )
     enable_mixed_chunk: bool = _opt(
         False, "Decode the running requests inside prefill steps (one step for both)."
     )
@@ -193,6 +199,7 @@ class ServerArgs:
             "max_request_bytes",
             "tp_size",
             "overlap_depth",
+            "stream_interval",
         ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from srt import Engine
@@ -310,3 +311,34 @@ def test_a_failed_batch_leaves_nothing_behind(engine: Engine) -> None:
     info = engine.scheduler.info()
     assert info.kv_slots_free == info.kv_slots_total
     assert engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1})
+
+
+def test_stream_interval_changes_no_result(engine: Engine, tiny_llama: Path) -> None:
+    """--stream-interval 3 sends tokens in threes: the same ids, text, logprobs and stop
+    string cut as one token at a time."""
+    requests = [
+        {**GREEDY, "max_new_tokens": 11, "logprobs": True, "top_logprobs_num": 2},
+        {**GREEDY, "max_new_tokens": 12},
+    ]
+    prompts = ["The lighthouse keeper", "A gull"]
+    expected = [
+        engine.generate(prompt=p, sampling_params=r) for p, r in zip(prompts, requests, strict=True)
+    ]
+    # A stop string from the text itself, where a chunk of three may carry past it.
+    stop = expected[1]["text"][5:8]
+    requests[1]["stop"] = [stop]
+    expected[1] = engine.generate(prompt=prompts[1], sampling_params=requests[1])
+    with make_engine(tiny_llama, enable_prefix_caching=False, stream_interval=3) as chunky:
+        got = [
+            chunky.generate(prompt=p, sampling_params=r)
+            for p, r in zip(prompts, requests, strict=True)
+        ]
+    for g, e in zip(got, expected, strict=True):
+        assert g["text"] == e["text"] and g["output_ids"] == e["output_ids"]
+        assert g["meta_info"]["finish_reason"] == e["meta_info"]["finish_reason"]
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            assert (key in g["meta_info"]) == (key in e["meta_info"])
+            if key in e["meta_info"]:
+                got_flat = np.array(g["meta_info"][key], dtype=float).ravel()
+                assert got_flat == pytest.approx(np.array(e["meta_info"][key], float).ravel())
+    assert got[1]["meta_info"]["finish_reason"] == "stop"

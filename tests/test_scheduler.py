@@ -246,3 +246,32 @@ def test_a_bad_request_is_finished_with_an_error_and_the_others_go_on() -> None:
             ids[out.rid] += out.new_token_ids
     assert ids == {"before": reference(good, 6), "after": reference(good, 6)}
     assert_no_leak(sched)
+
+
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_stream_interval_sends_fewer_larger_outputs(overlap: int) -> None:
+    """With --stream-interval 3 a request's outputs are its first token, then three at a time,
+    then the rest with its end: the same ids and finish as one output per token."""
+    reqs = {
+        f"r{i}": ([5 + i, 9, 2 + i], {"max_new_tokens": n}) for i, n in enumerate([1, 2, 4, 8, 10])
+    }
+    chunks: dict[str, list[int]] = {rid: [] for rid in reqs}
+    per_token = run_all(*make_scheduler(), reqs, overlap)
+    sched, runner = make_scheduler(stream_interval=3)
+    for rid, (prompt, params) in reqs.items():
+        sched.add_request(GenerateReq(rid, prompt, SamplingParams.from_dict(params)))
+    ids: dict[str, list[int]] = {rid: [] for rid in reqs}
+    reasons: dict[str, str | None] = {}
+    while sched.has_work:
+        for out in step(sched, runner, overlap):
+            chunks[out.rid].append(len(out.new_token_ids))
+            ids[out.rid] += out.new_token_ids
+            reasons[out.rid] = out.finished_reason
+            assert out.completion_tokens == len(ids[out.rid])
+    for rid, (_, params) in reqs.items():
+        assert ids[rid] == per_token[rid]["ids"] and reasons[rid] == "length"
+        n = params["max_new_tokens"]
+        assert chunks[rid][0] == 1 and sum(chunks[rid]) == n
+        assert all(c == 3 for c in chunks[rid][1:-1]) and 1 <= chunks[rid][-1] <= 3
+    assert chunks["r4"] == [1, 3, 3, 3]
+    assert_no_leak(sched)

@@ -41,16 +41,19 @@ from srt.ipc.messages import AbortReq, GenerateReq, StepOutputs, TokenOutput
 _IDLE_POLL_MS = 50
 
 
-def stand_in_scheduler(endpoints_dir: str, step_s: float, stop: Event) -> None:
+def stand_in_scheduler(
+    endpoints_dir: str, step_s: float, stream_interval: int, stop: Event
+) -> None:
     """Every `step_s`, one token for each running request; a request ends after its
-    `max_new_tokens` ("length"); aborts drop it. What it sends is what the scheduler sends."""
+    `max_new_tokens` ("length"); aborts drop it. Its tokens go out as the scheduler sends
+    them: the first at once, then every `stream_interval`, the rest with the end."""
     import zmq
 
     endpoints = Endpoints(endpoints_dir)
     ctx = zmq.Context()
     inbox = Receiver(ctx, endpoints, TO_SCHEDULER)
     outbox = Sender(ctx, endpoints, TO_TOKENIZER)
-    running: dict[str, list[int]] = {}  # rid -> [prompt tokens, produced, asked for]
+    running: dict[str, list[int]] = {}  # rid -> [prompt tokens, produced, asked for, sent]
     next_step = time.perf_counter()
     while not stop.is_set():
         while inbox.poll(0 if running else _IDLE_POLL_MS):
@@ -58,7 +61,7 @@ def stand_in_scheduler(endpoints_dir: str, step_s: float, stop: Event) -> None:
             if isinstance(msg, GenerateReq):
                 asked = msg.sampling_params.max_new_tokens
                 assert asked is not None, "the front end fills in max_new_tokens"
-                running[msg.rid] = [len(msg.input_ids), 0, asked]
+                running[msg.rid] = [len(msg.input_ids), 0, asked, 0]
             elif isinstance(msg, AbortReq):
                 running.pop(msg.rid, None)
         if not running:
@@ -68,11 +71,15 @@ def stand_in_scheduler(endpoints_dir: str, step_s: float, stop: Event) -> None:
         for rid, state in list(running.items()):
             state[1] += 1
             done = state[1] >= state[2]
-            token = 3 + state[1] % 200  # ordinary ids of any vocabulary, past the specials
+            if not done and state[3] and state[1] - state[3] < stream_interval:
+                continue
+            # Ordinary ids of any vocabulary, past the specials.
+            tokens = [3 + t % 200 for t in range(state[3] + 1, state[1] + 1)]
+            state[3] = state[1]
             outputs.append(
                 TokenOutput(
                     rid,
-                    [token],
+                    tokens,
                     "length" if done else None,
                     prompt_tokens=state[0],
                     completion_tokens=state[1],
@@ -80,7 +87,8 @@ def stand_in_scheduler(endpoints_dir: str, step_s: float, stop: Event) -> None:
             )
             if done:
                 del running[rid]
-        outbox.send(StepOutputs.pack(outputs))
+        if outputs:
+            outbox.send(StepOutputs.pack(outputs))
         next_step += step_s
         time.sleep(max(0.0, next_step - time.perf_counter()))
         next_step = max(next_step, time.perf_counter() - step_s)  # never a burst to catch up
@@ -105,7 +113,9 @@ def serve_and_load(ns: argparse.Namespace) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     scheduler = ctx.Process(
-        target=stand_in_scheduler, args=(endpoints.dir, ns.step_ms / 1000, stop), daemon=True
+        target=stand_in_scheduler,
+        args=(endpoints.dir, ns.step_ms / 1000, ns.stream_interval, stop),
+        daemon=True,
     )
     manager = TokenizerManager(args, endpoints, model_config)
     scheduler.start()
@@ -221,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--step-ms", type=float, default=2.0, help="The stand-in's step period.")
     p.add_argument("--max-concurrency", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="Tokens per output after the first, as the server's --stream-interval.",
+    )
     p.add_argument(
         "--min-requests",
         type=int,

@@ -119,6 +119,7 @@ NOT_IN_COMPILE_KEY: dict[str, str] = {
     "enable_prefix_caching": _SCHEDULER,
     "disable_overlap_schedule": _SCHEDULER,
     "overlap_depth": _SCHEDULER,
+    "stream_interval": _SCHEDULER,
     "enable_mixed_chunk": _SCHEDULER,
     "compile_cache_dir": "where the cache is",
     "skip_warmup": "whether a warm-up runs before ready, not what it runs",

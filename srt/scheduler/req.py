@@ -24,6 +24,7 @@ class Req:
     stream: bool = False
     max_new_tokens: int = 0  # the params' own, resolved by the front end before admission
     output_ids: list[int] = field(default_factory=list)
+    sent_ids: int = 0  # of output_ids, those the tokenizer side has been sent
     row: int = -1  # request-to-token table row, -1 while waiting
     # KV slots of tokens [0, kv_len): the first `num_slots` entries of a buffer that grows by
     # doubling, so a decode step appends in O(1) instead of copying the whole history.

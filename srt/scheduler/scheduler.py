@@ -45,7 +45,7 @@ from srt.scheduler.admission import Admission
 from srt.scheduler.kv_accounting import KVAccounting
 from srt.scheduler.plan_builder import build_plan
 from srt.scheduler.req import Req, ScheduledStep, StepCounters
-from srt.scheduler.token_outputs import take_sample, token_output
+from srt.scheduler.token_outputs import output_due, take_sample, token_output
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -173,7 +173,9 @@ class Scheduler:
                 continue
             if not samples:
                 continue
-            outputs.append(self._sampled(req, result, i))
+            output = self._sampled(req, result, i)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def step(self, forward: Callable[[BatchPlan], BatchResult]) -> list[TokenOutput]:
@@ -238,13 +240,14 @@ class Scheduler:
                 self.running[req.rid] = req
         return True
 
-    def _sampled(self, req: Req, result: BatchResult, i: int) -> TokenOutput:
-        """Apply the id sampled for `req` at row `i` of `result`: the output that says so."""
+    def _sampled(self, req: Req, result: BatchResult, i: int) -> TokenOutput | None:
+        """Apply the id sampled for `req` at row `i` of `result`: the output that says so,
+        if one is due (`--stream-interval`)."""
         new_ids = take_sample(req, result, i, self.eos_token_ids)
         self.counters.generated_tokens += len(new_ids)
         if req.finished_reason is not None:
             self._finish(req)
-        return token_output(req, new_ids)
+        return output_due(req, self.args.stream_interval)
 
     def _finish(self, req: Req) -> None:
         """A finished request is planned no more; released now if no step in flight has it,

@@ -1,6 +1,6 @@
 """What a sampled id does to its request: it joins the outputs, with its logprobs, and may
 stop the request (a stop token, eos, or max_new_tokens); and the `TokenOutput` that tells the
-tokenizer side."""
+tokenizer side, when one is due (`--stream-interval`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,18 @@ def take_sample(req: Req, result: BatchResult, i: int, eos_token_ids: set[int]) 
         _record_logprobs(req, result, i)
     _check_finished(req, token, eos_token_ids)
     return [token]
+
+
+def output_due(req: Req, stream_interval: int) -> TokenOutput | None:
+    """What `req` produced since its last output, if an output is due now: at its end always,
+    and while it runs its first token at once (the time to first token is the client's) and
+    then every `stream_interval` tokens."""
+    unsent = len(req.output_ids) - req.sent_ids
+    if req.finished_reason is None and (unsent == 0 or (req.sent_ids and unsent < stream_interval)):
+        return None
+    new_ids = req.output_ids[req.sent_ids :]
+    req.sent_ids = len(req.output_ids)
+    return token_output(req, new_ids)
 
 
 def token_output(req: Req, new_ids: list[int]) -> TokenOutput:
