@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import time
 from pathlib import Path
 
@@ -879,6 +880,32 @@ def small_shape(monkeypatch: pytest.MonkeyPatch) -> str:
     )
     monkeypatch.setitem(model_shapes.MODEL_SHAPES, "small-test", shape)
     return "small-test"
+
+
+def test_a_llama3_shape_carries_a_tokenizer_of_llama3s_size(tmp_path: Path) -> None:
+    """A published shape's directory has a 128,256-token tokenizer in Llama 3's layout (the
+    specials from 128,000, the config's bos and eos among them) that round-trips any text."""
+    from srt.server.hf_tokenizer import load_tokenizer
+    from srt.tools import llama3_tokenizer
+
+    path = model_shapes.write_model_shape("llama-3.2-1b", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    tok = load_tokenizer(str(path))
+    assert len(tok) == config["vocab_size"] == llama3_tokenizer.VOCAB_SIZE
+    assert (tok.bos_token_id, tok.eos_token_id) == (config["bos_token_id"], config["eos_token_id"])
+    assert tok.convert_ids_to_tokens(128009) == "<|eot_id|>"
+    rng = random.Random(0)
+    texts = ["héllo ✓ 日本語 🙂 naïve café\n\tthe end.", bytes(range(256)).decode("latin-1")]
+    texts += ["".join(chr(rng.randrange(32, 0x3000)) for _ in range(200)) for _ in range(5)]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert max(ids) < llama3_tokenizer.REGULAR_TOKENS
+        assert tok.decode(ids) == text
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    chat = tok.encode(text, add_special_tokens=False)
+    assert chat[0] == llama3_tokenizer.BOS_ID and 128006 in chat and 128009 in chat
 
 
 def test_model_shape_has_no_weights(small_shape: str, tmp_path: Path) -> None:

@@ -3,7 +3,8 @@ benchmarks: dummy weights skip the load, which is the part of startup a real mod
 
     python -m srt.tools.make_random_checkpoint DIR --model-shape llama-3.2-1b
 
-The directory gets the shape's config.json, the tiny tokenizer and `model-0000i-of-0000n`
+The directory gets the shape's config.json, its tokenizer (Llama 3's size, built without a
+download: `srt.tools.llama3_tokenizer`) and `model-0000i-of-0000n`
 safetensors shards with their index, as the hub writes them (bfloat16; N(0, 0.02) matrices and
 unit norms, the rule of `--load-format dummy`). Tensor names and shapes come from transformers'
 own model class for the config, built on the meta device, so the checkpoint is what

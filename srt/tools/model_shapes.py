@@ -1,9 +1,10 @@
 """Published model shapes (their config.json fields) for benchmarks without a download.
 
-`write_model_shape` writes a model directory with a shape's config.json and the tiny model's
-tokenizer files, but no weights: load it with `--load-format dummy` (random weights drawn on
-the device), or fill it with `srt.tools.make_random_checkpoint` to measure a real load. The
-tokenizer is the tiny one, so text is gibberish; benchmarks send token ids.
+`write_model_shape` writes a model directory with a shape's config.json and tokenizer files,
+but no weights: load it with `--load-format dummy` (random weights drawn on the device), or
+fill it with `srt.tools.make_random_checkpoint` to measure a real load. A shape with Llama 3's
+vocabulary gets a tokenizer of that size and layout (`llama3_tokenizer`: its load is a real
+model's), any other the tiny model's; either way text is gibberish, and benchmarks send ids.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def check_shape_name(name: str) -> None:
 
 
 def write_model_shape(name: str, directory: Path) -> Path:
-    """`directory / name` with `name`'s config.json (bfloat16) and the tiny tokenizer; no
-    weight files."""
+    """`directory / name` with `name`'s config.json (bfloat16) and its tokenizer (see the
+    module); no weight files."""
+    from srt.tools import llama3_tokenizer
     from srt.tools.make_tiny_model import make_tiny_model
 
     check_shape_name(name)
@@ -75,5 +77,9 @@ def write_model_shape(name: str, directory: Path) -> Path:
         dtype="bfloat16",
         rms_norm_eps=1e-5,
     )
+    if config["vocab_size"] == llama3_tokenizer.VOCAB_SIZE:
+        llama3_tokenizer.install_tokenizer(path)
+        config.update(bos_token_id=llama3_tokenizer.BOS_ID, eos_token_id=llama3_tokenizer.EOS_ID)
+        config.pop("pad_token_id", None)  # the tiny one's: an ordinary token here
     config_file.write_text(json.dumps(config, indent=2))
     return path
