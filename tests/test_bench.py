@@ -770,6 +770,8 @@ def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys)
         assert "error" not in r, r.get("error")
         assert r["ready_s"] > 0 and r["errors"] == 0
         assert r["ready_over_import_torch"] == round(r["ready_s"] / result["import_torch_s"], 2)
+        minus = r["ready_s"] - result["import_torch_s"]
+        assert r["ready_minus_import_torch_s"] == pytest.approx(minus, abs=1e-3)
         # the first request, bursts of 1 and 2 sent twice, steady at 1 and 2, a later one
         assert r["requests"] == 1 + (1 + 1 + 2 + 2) + (1 + 2) + 1
         b = r["breakdown"]
