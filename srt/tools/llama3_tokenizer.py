@@ -16,12 +16,12 @@ copied from there.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from srt.tools.user_cache import built_once
 
 REGULAR_TOKENS = 128_000
 SPECIAL_TOKENS = 256
@@ -101,30 +101,19 @@ def build_tokenizer() -> Any:
     )
 
 
+def save_tokenizer(directory: Path) -> None:
+    build_tokenizer().save_pretrained(directory)
+    # The class Llama 3's files name (transformers 5 writes its own alias), which is what lets
+    # the tokenizer process load it without AutoTokenizer's imports.
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(tokenizer_class="PreTrainedTokenizerFast", model_max_length=131072)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def tokenizer_dir() -> Path:
     """The directory of the saved tokenizer, built on first use (see the module)."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = cache / "srt" / "llama3-tokenizer-v2"
-    if (target / "tokenizer.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".llama3-tokenizer-", dir=target.parent))
-    try:
-        build_tokenizer().save_pretrained(tmp)
-        # The class Llama 3's files name (transformers 5 writes its own alias), which is what
-        # lets the tokenizer process load it without AutoTokenizer's imports.
-        config_file = tmp / "tokenizer_config.json"
-        config = json.loads(config_file.read_text())
-        config.update(tokenizer_class="PreTrainedTokenizerFast", model_max_length=131072)
-        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        try:
-            tmp.rename(target)  # atomic; fails if another process got there first
-        except OSError:
-            if not (target / "tokenizer.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return built_once("llama3-tokenizer-v2", "tokenizer.json", save_tokenizer)
 
 
 def install_tokenizer(model_dir: Path) -> None:

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from srt.model_config import DTYPE_NAMES
 from srt.tools.cli import keyword_options
+from srt.tools.user_cache import built_once
 
 # torch and transformers are imported only where a model is made, so that finding the default
 # model (as the server's launcher does before it starts anything) stays light.
@@ -377,29 +375,9 @@ def _save_weights(model: PreTrainedModel, path: Path, num_shards: int) -> None:
 
 
 def default_model_dir() -> Path:
-    """Return the per-user default tiny llama checkpoint dir, creating it on first use.
-
-    It lives in ``$XDG_CACHE_HOME/srt/tiny-llama-v1`` (default ``~/.cache/srt/...``; the
-    version is bumped whenever the generator changes, so a stale copy is never served). The
-    model is written to a temp dir next to it and renamed into place, so concurrent callers never
-    see a half-written checkpoint; the loser of a race simply discards its copy.
-    """
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = cache / "srt" / "tiny-llama-v1"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=target.parent))
-    try:
-        make_tiny_model(tmp, "llama")
-        try:
-            tmp.rename(target)  # atomic; fails if another process got there first
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """The per-user default tiny llama checkpoint, made on first use: `tiny-llama-v1` under
+    the user's cache (`user_cache.built_once`)."""
+    return built_once("tiny-llama-v1", "config.json", lambda tmp: make_tiny_model(tmp, "llama"))
 
 
 def resolve_model_path(model_path: str | None) -> str:
