@@ -1,4 +1,5 @@
-"""The error a request that cannot be served raises, wherever it is found to be bad."""
+"""The errors of bad input, wherever it is found to be bad: a request that cannot be served, an
+option no server can start with."""
 
 from __future__ import annotations
 
@@ -10,3 +11,11 @@ class InvalidRequest(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param, self.code = param, code
+
+
+class ServerArgsError(ValueError):
+    """An option no server can start with; names its flag, as argparse does."""
+
+    def __init__(self, name: str, message: str) -> None:
+        self.flag = "--" + name.replace("_", "-")
+        super().__init__(f"argument {self.flag}: {message}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from srt.server_args import ServerArgsError
+from srt.errors import ServerArgsError
 
 DISTRIBUTION = "flashinfer-python"
 TESTED_VERSION = "0.5.3"

@@ -13,19 +13,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from srt.errors import ServerArgsError
+
 if TYPE_CHECKING:
     from srt.model_config import ModelConfig
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 _MAX_PORT = 65535
-
-
-class ServerArgsError(ValueError):
-    """An option no server can start with; names its flag, as argparse does."""
-
-    def __init__(self, name: str, message: str) -> None:
-        self.flag = "--" + name.replace("_", "-")
-        super().__init__(f"argument {self.flag}: {message}")
 
 
 def _opt(default: Any, help: str, **kwargs: Any) -> Any:
