@@ -18,14 +18,16 @@
 #                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists)
 #   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list)
 #   frontend             srt.bench.frontend: the main process alone at a FRONTEND_STEP_MS step
-#                        (default 1.5), and the same for the tree in .baseline if there is one
+#                        (default 1.5), with each of FRONTEND_WORKERS tokenizer workers
+#                        (default 1), and the same for the tree in .baseline if there is one
 #   serving-SHAPE        serving at concurrency 1, 32, 64, 128 (64 requests at 1, 1,024 at the
 #                        others; SERVING_CONCURRENCY overrides), each run against the runner
 #                        ceiling one_batch measures first with the same flags, for 128 prompt
 #                        tokens and 256 new, and 1,024 and 128 (SERVING_LENS="IN:OUT ..."):
 #                        the defaults (full), overlap one step deep (depth1), no overlap,
 #                        nographs, prefill captured (prefill-full) or not (prefill-off), and
-#                        captured with mixed steps (mixed); SERVING_VARIANTS overrides
+#                        captured with mixed steps (mixed), N tokenizer workers (twN), an
+#                        output every N tokens (siN); SERVING_VARIANTS overrides
 #   attention            srt.bench.attention on the 1B and 8B heads, for ATTENTION_BACKENDS
 #                        (default: triton flashinfer)
 # SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first, their
@@ -141,6 +143,9 @@ serving() {  # decode full with overlap (the default), and the variants that mov
       [ $variant = prefill-full ] && flags+=(--cuda-graph-backend-prefill full)
       [ $variant = prefill-off ] && flags+=(--cuda-graph-backend-prefill disabled)
       [ $variant = mixed ] && flags+=(--cuda-graph-backend-prefill full --enable-mixed-chunk)
+      # twN: N tokenizer workers on the port; siN: outputs every N tokens
+      [[ $variant == tw* ]] && flags+=(--tokenizer-worker-num "${variant#tw}")
+      [[ $variant == si* ]] && flags+=(--stream-interval "${variant#si}")
       local name="serving-$shape-$variant-${in_len}x${out_len}"
       # The bench's request counts (1,024 where more than 16 are in flight), its warm-up
       # bursts, and one_batch with the same flags for the ceiling before the server starts.
@@ -173,11 +178,16 @@ for stage in "$@"; do
       # with a baseline tree in .baseline (srt/ of an earlier commit), that one too
       for tree in . .baseline; do
         [ -d "$tree/srt" ] || continue
-        name=frontend; [ "$tree" = .baseline ] && name=frontend-baseline
-        step "$name" env -C "$tree" PYTHONPATH="/tmp/site:$(realpath "$tree")" \
-          python3 -m srt.bench.frontend --step-ms "${FRONTEND_STEP_MS:-1.5}" \
-          --output-file "$(realpath "$out")/$name.json"
-        tail -n 5 "$work/logs/$name.log"
+        workers=${FRONTEND_WORKERS:-1}; [ "$tree" = .baseline ] && workers=1
+        for n in $workers; do
+          name=frontend-tw$n; [ "$tree" = .baseline ] && name=frontend-baseline
+          # The baseline predates --tokenizer-worker-num: one process there.
+          extra=(); [ "$tree" = . ] && extra=(--tokenizer-worker-num "$n")
+          step "$name" env -C "$tree" PYTHONPATH="/tmp/site:$(realpath "$tree")" \
+            python3 -m srt.bench.frontend --step-ms "${FRONTEND_STEP_MS:-1.5}" "${extra[@]}" \
+            --output-file "$(realpath "$out")/$name.json"
+          tail -n 5 "$work/logs/$name.log"
+        done
       done ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

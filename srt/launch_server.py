@@ -24,25 +24,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys
 import time
 
+from srt.server.listening import bind
 from srt.server_args import ServerArgs, ServerArgsError
 
 logger = logging.getLogger("srt.launch_server")
-
-
-def bind(args: ServerArgs) -> socket.socket:
-    """The listening socket, bound before anything starts: a port in use fails at once."""
-    try:
-        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((args.host, args.port), family=family)
-    except OSError as e:
-        reason = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or str(e)
-        raise ServerArgsError("port", f"cannot listen on {args.host}:{args.port}: {reason}") from e
 
 
 def launch_server(args: ServerArgs, sock: socket.socket, launched: float) -> int:

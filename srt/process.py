@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from srt.ipc.reports import ReadyReport, RunnerInfo, StartFailure
@@ -25,6 +26,19 @@ from srt.ipc.reports import ReadyReport, RunnerInfo, StartFailure
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """The CPU seconds (user and system, every thread) that process `pid` has used, from
+    /proc (another process's counters: Linux only, as the server); None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # utime and stime are the 14th and 15th fields; the 2nd (the command) may hold spaces,
+    # so count from its closing parenthesis, after which the 3rd begins.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def configure_logging(level: str, process: str) -> None:

@@ -147,6 +147,14 @@ class ServerArgs:
         "/generate streams each event's new text and ids, not the whole output so far "
         "(SGLang's flag; its default is the whole output, which SGLang's clients read).",
     )
+    tokenizer_worker_num: int = _opt(
+        1,
+        "Front-end processes sharing the HTTP port, each with its own tokenizer, "
+        "detokenization and streams: the main process and N-1 more, a connection served by "
+        "one of them (SGLang's flag; vLLM's --api-server-count is the same). More than one "
+        "when streaming is a CPU's work: many concurrent streams of a fast model.",
+        aliases=["--api-server-count"],
+    )
     log_level: str = _opt("info", "Logging level.", choices=LOG_LEVELS, type=str.lower)
 
     @classmethod
@@ -156,17 +164,18 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             meta = dict(f.metadata)
             help_text = meta.pop("help", None)
+            flags = [flag, *meta.pop("aliases", [])]
             hint = hints[f.name]
             if hint is bool:
                 # A switch that defaults to on also needs its --no- form to turn it off.
                 action = argparse.BooleanOptionalAction if f.default else "store_true"
-                parser.add_argument(flag, action=action, default=f.default, help=help_text)
+                parser.add_argument(*flags, action=action, default=f.default, help=help_text)
                 continue
             base, is_list = _unwrap(hint)
             kwargs: dict[str, Any] = {"type": base, "default": f.default, "help": help_text}
             if is_list:
                 kwargs["nargs"] = "+"
-            parser.add_argument(flag, **{**kwargs, **meta})
+            parser.add_argument(*flags, dest=f.name, **{**kwargs, **meta})
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
@@ -194,6 +203,7 @@ class ServerArgs:
             "tp_size",
             "overlap_depth",
             "stream_interval",
+            "tokenizer_worker_num",
         ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -81,12 +81,13 @@ def test_a_receiver_drains_what_arrived_in_one_wake() -> None:
 
     import zmq
 
-    from srt.ipc.channels import TO_TOKENIZER, Endpoints, Receiver, Sender
+    from srt.ipc.channels import Endpoints, Receiver, Sender, to_tokenizer
     from srt.ipc.messages import Replies
 
     endpoints = Endpoints.create()
     ctx = zmq.Context()
-    inbox, outbox = Receiver(ctx, endpoints, TO_TOKENIZER), Sender(ctx, endpoints, TO_TOKENIZER)
+    channel = to_tokenizer(0)
+    inbox, outbox = Receiver(ctx, endpoints, channel), Sender(ctx, endpoints, channel)
 
     async def scenario() -> list[list[int]]:
         got = []

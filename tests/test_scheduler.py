@@ -3,6 +3,8 @@ scheduler_helpers: outputs, KV pressure, stop conditions, aborts, bad requests."
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from scheduler_helpers import (
     VOCAB,
@@ -14,9 +16,9 @@ from scheduler_helpers import (
     step,
 )
 
-from srt.ipc.messages import GenerateReq
+from srt.ipc.messages import FlushCacheOutput, GenerateReq, Replies, TokenOutput
 from srt.sampling_params import SamplingParams
-from srt.scheduler.scheduler_process import SchedulerLoop
+from srt.scheduler.scheduler_process import OutputRoutes, SchedulerLoop
 
 
 @pytest.mark.parametrize("overlap", [0, 1, 2])
@@ -229,6 +231,7 @@ def test_a_bad_request_is_finished_with_an_error_and_the_others_go_on() -> None:
     sched, runner = make_scheduler()
     loop = SchedulerLoop.__new__(SchedulerLoop)  # its sockets are not needed here
     loop.scheduler = sched
+    loop.routes = OutputRoutes([])
     good = [3, 1, 4, 1, 5]
     assert loop._handle(GenerateReq("before", good, SamplingParams(max_new_tokens=6))) is None
     bad = [
@@ -246,6 +249,38 @@ def test_a_bad_request_is_finished_with_an_error_and_the_others_go_on() -> None:
             ids[out.rid] += out.new_token_ids
     assert ids == {"before": reference(good, 6), "after": reference(good, 6)}
     assert_no_leak(sched)
+
+
+class _Outbox:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+
+def test_outputs_go_to_the_tokenizer_worker_that_sent_the_request() -> None:
+    outboxes = [_Outbox(), _Outbox()]
+    routes = OutputRoutes(outboxes)  # type: ignore[arg-type]
+    routes.admit("a", 0)
+    routes.admit("b", 1)
+    routes.admit("c", 1)
+    routes.send_outputs(
+        [TokenOutput("a", [1]), TokenOutput("b", [2], "length"), TokenOutput("c", [3])]
+    )
+    assert [m.rids for m in outboxes[0].sent] == [["a"]]
+    assert [m.rids for m in outboxes[1].sent] == [["b", "c"]]
+    assert routes.worker_of == {"a": 0, "c": 1}  # a finished request is forgotten
+    routes.forget("c")  # aborted: its answer is a reply
+    routes.send_replies({1: [TokenOutput("c", [], "abort")], 0: [FlushCacheOutput(True)]})
+    assert isinstance(outboxes[1].sent[-1], Replies) and outboxes[1].sent[-1].items[0].rid == "c"
+    assert outboxes[0].sent[-1].items == [FlushCacheOutput(True)]
+    assert routes.worker_of == {"a": 0}
+    # One worker: everything to it, nothing recorded.
+    single = OutputRoutes([_Outbox()])  # type: ignore[list-item]
+    single.admit("x", 0)
+    single.send_outputs([TokenOutput("x", [1])])
+    assert single.worker_of == {} and len(single.senders[0].sent) == 1  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("overlap", [0, 2])

@@ -1,7 +1,8 @@
 """The main process alone: how many streamed tokens a second the HTTP front end (tokenizer
 manager, detokenization, event streams) delivers when the steps come at the runner's pace.
 
-    python -m srt.bench.frontend --step-ms 2 --max-concurrency 32 64 128 --output-len 256
+    python -m srt.bench.frontend --step-ms 2 --max-concurrency 32 64 128 --output-len 256 \
+        [--tokenizer-worker-num N]
 
 A stand-in scheduler process answers every request with one token per step, a step every
 `--step-ms` (the runner's overlapped step at that batch, from `srt.bench.one_batch`), for all
@@ -11,6 +12,9 @@ model runs, so the figures are the front end's: its CPU time per token and per s
 its share of a CPU over the load, and the delivered rate as a fraction of what the steps offer
 (`concurrency / step`). Near 1 the front end keeps up; a front end on a CPU all of the load
 falls behind, batches several steps per event and delays every request's end and start.
+With `--tokenizer-worker-num N` the server's N-1 other tokenizer workers serve beside this
+process, as the launcher runs them; the CPU figures are then all of theirs together, and the
+busiest one's.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import functools
 import math
 import multiprocessing as mp
 import os
-import socket
 import time
 from multiprocessing.synchronize import Event
 from typing import Any
@@ -35,25 +38,29 @@ from srt.bench.serving import (
     random_requests,
     split_evenly,
 )
-from srt.ipc.channels import TO_SCHEDULER, TO_TOKENIZER, Endpoints, Receiver, Sender
+from srt.ipc.channels import TO_SCHEDULER, Endpoints, Receiver, Sender, to_tokenizer
 from srt.ipc.messages import AbortReq, GenerateReq, StepOutputs, TokenOutput
+from srt.ipc.reports import ProcessStartup, ServerStartup
+from srt.process import process_cpu_s
 
 _IDLE_POLL_MS = 50
 
 
 def stand_in_scheduler(
-    endpoints_dir: str, step_s: float, stream_interval: int, stop: Event
+    endpoints_dir: str, step_s: float, stream_interval: int, workers: int, stop: Event
 ) -> None:
     """Every `step_s`, one token for each running request; a request ends after its
     `max_new_tokens` ("length"); aborts drop it. Its tokens go out as the scheduler sends
-    them: the first at once, then every `stream_interval`, the rest with the end."""
+    them: the first at once, then every `stream_interval`, the rest with the end, to the
+    tokenizer worker that sent it."""
     import zmq
 
     endpoints = Endpoints(endpoints_dir)
     ctx = zmq.Context()
     inbox = Receiver(ctx, endpoints, TO_SCHEDULER)
-    outbox = Sender(ctx, endpoints, TO_TOKENIZER)
-    running: dict[str, list[int]] = {}  # rid -> [prompt tokens, produced, asked for, sent]
+    outboxes = [Sender(ctx, endpoints, to_tokenizer(w)) for w in range(workers)]
+    # rid -> [prompt tokens, produced, asked for, sent, its worker]
+    running: dict[str, list[int]] = {}
     next_step = time.perf_counter()
     while not stop.is_set():
         while inbox.poll(0 if running else _IDLE_POLL_MS):
@@ -61,13 +68,13 @@ def stand_in_scheduler(
             if isinstance(msg, GenerateReq):
                 asked = msg.sampling_params.max_new_tokens
                 assert asked is not None, "the front end fills in max_new_tokens"
-                running[msg.rid] = [len(msg.input_ids), 0, asked, 0]
+                running[msg.rid] = [len(msg.input_ids), 0, asked, 0, msg.tokenizer_worker]
             elif isinstance(msg, AbortReq):
                 running.pop(msg.rid, None)
         if not running:
             next_step = time.perf_counter()
             continue
-        outputs = []
+        outputs: dict[int, list[TokenOutput]] = {}
         for rid, state in list(running.items()):
             state[1] += 1
             done = state[1] >= state[2]
@@ -76,7 +83,7 @@ def stand_in_scheduler(
             # Ordinary ids of any vocabulary, past the specials.
             tokens = [3 + t % 200 for t in range(state[3] + 1, state[1] + 1)]
             state[3] = state[1]
-            outputs.append(
+            outputs.setdefault(state[4], []).append(
                 TokenOutput(
                     rid,
                     tokens,
@@ -87,46 +94,73 @@ def stand_in_scheduler(
             )
             if done:
                 del running[rid]
-        if outputs:
-            outbox.send(StepOutputs.pack(outputs))
+        for worker, group in outputs.items():
+            outboxes[worker].send(StepOutputs.pack(group))
         next_step += step_s
         time.sleep(max(0.0, next_step - time.perf_counter()))
         next_step = max(next_step, time.perf_counter() - step_s)  # never a burst to catch up
 
 
 def serve_and_load(ns: argparse.Namespace) -> list[dict[str, Any]]:
-    """The front end in this process (uvloop, as the server runs it) against the stand-in;
-    one load per concurrency, each with fresh prompts."""
-    import uvicorn
+    """The front end in this process (uvloop, as the server runs it), and the other tokenizer
+    workers if asked for, against the stand-in; one load per concurrency, each with fresh
+    prompts."""
     import uvloop
 
     from srt.model_config import ModelConfig
-    from srt.server.http.app import create_app
-    from srt.server.tokenizer_manager import TokenizerManager
+    from srt.server.launcher import order_workers, spawn_tokenizer_workers
+    from srt.server.listening import bind
+    from srt.server.tokenizer_worker import ServeFrom, StopServing
     from srt.server_args import ServerArgs
     from srt.tools.make_tiny_model import resolve_model_path
 
-    args = ServerArgs(model_path=resolve_model_path(ns.model_path), device="cpu")
+    args = ServerArgs(
+        model_path=resolve_model_path(ns.model_path),
+        device="cpu",
+        port=0,
+        tokenizer_worker_num=ns.tokenizer_worker_num,
+    )
     assert args.model_path is not None
     model_config = ModelConfig.from_path(args.model_path, args.dtype, None)
     endpoints = Endpoints.create()
+    sock = bind(args)
+    args.port = sock.getsockname()[1]  # the workers bind the same port
+    workers = spawn_tokenizer_workers(args, endpoints, time.perf_counter())
+    # With workers, prometheus_client may be imported only now (spawn_tokenizer_workers).
+    from srt.server.http.uvicorn_server import http_server
+    from srt.server.tokenizer_manager import TokenizerManager
+
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     scheduler = ctx.Process(
         target=stand_in_scheduler,
-        args=(endpoints.dir, ns.step_ms / 1000, ns.stream_interval, stop),
+        args=(endpoints.dir, ns.step_ms / 1000, ns.stream_interval, len(workers) + 1, stop),
         daemon=True,
     )
     manager = TokenizerManager(args, endpoints, model_config)
     scheduler.start()
     manager.load_tokenizer()
-    context = ns.input_len + ns.output_len + 1
-    manager.mark_ready(context, context * max(ns.max_concurrency), None)  # type: ignore[arg-type]
-    sock = socket.create_server(("127.0.0.1", 0))
-    base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(manager), loop="none", log_level="warning", access_log=False)
+    started = time.perf_counter()
+    while not all(child.report for child, _ in workers.values()):
+        for child, _ in workers.values():
+            child.check(started)
+        time.sleep(0.01)
+    startup = ServerStartup(
+        0.0,
+        time.time(),
+        endpoints.dir,
+        {
+            "tokenizer": ProcessStartup(os.getpid(), 0.0, {}),
+            **{name: child.startup({}) for name, (child, _) in workers.items()},
+        },
     )
+    context = ns.input_len + ns.output_len + 1
+    orders = {name: conn for name, (_, conn) in workers.items()}
+    order_workers(orders, ServeFrom(context, context * max(ns.max_concurrency), startup))
+    manager.mark_ready(context, context * max(ns.max_concurrency), startup)
+    pids = [entry.pid for entry in startup.processes.values()]
+    base_url = f"http://127.0.0.1:{args.port}"
+    server = http_server(manager)
     runs: list[dict[str, Any]] = []
 
     async def serve() -> None:
@@ -151,20 +185,14 @@ def serve_and_load(ns: argparse.Namespace) -> list[dict[str, Any]]:
                 for k, cap in enumerate(split_evenly(concurrency, procs))
             ]
             window = LoadWindow()
-            cpu = time.process_time()
+            cpu = [process_cpu_s(pid) or 0.0 for pid in pids]
             load = await loop.run_in_executor(
                 None,
                 functools.partial(load_from_processes, base_url, specs, shares, window, False),
             )
+            used = [(process_cpu_s(pid) or 0.0) - c for pid, c in zip(pids, cpu, strict=True)]
             runs.append(
-                run_figures(
-                    ns,
-                    concurrency,
-                    load.records,
-                    time.process_time() - cpu,
-                    load.wall_s,
-                    load.figures(),
-                )
+                run_figures(ns, concurrency, load.records, used, load.wall_s, load.figures())
             )
         server.should_exit = True
         await serving
@@ -173,6 +201,10 @@ def serve_and_load(ns: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         uvloop.run(serve())
     finally:
+        order_workers(orders, StopServing("the benchmark is over"))
+        for child, conn in workers.values():
+            child.join()
+            conn.close()
         stop.set()
         scheduler.join()
         manager.close()
@@ -184,11 +216,13 @@ def run_figures(
     ns: argparse.Namespace,
     concurrency: int,
     records: list[Any],
-    front_cpu_s: float,
+    front_cpu_s: list[float],
     wall_s: float,
     client: dict[str, Any],
 ) -> dict[str, Any]:
+    """A level's figures; `front_cpu_s`: each tokenizer worker's CPU seconds in the load."""
     figures = metrics(records)
+    total_cpu_s = sum(front_cpu_s)
     tokens = figures["total_output_tokens"]
     events = sum(len(r.chunk_times) for r in records if r.ok)
     offered = concurrency / (ns.step_ms / 1000)
@@ -200,9 +234,11 @@ def run_figures(
         "tokens_per_event": round(tokens / max(events, 1), 3),
         "offered_tok_s": round(offered, 1),
         "of_offered": round(figures["output_throughput"] / offered, 3),
-        "front_cpu_busy": round(front_cpu_s / wall_s, 3),
-        "front_cpu_us_per_token": round(front_cpu_s / max(tokens, 1) * 1e6, 2),
-        "front_cpu_us_per_event": round(front_cpu_s / max(events, 1) * 1e6, 2),
+        "tokenizer_workers": len(front_cpu_s),
+        "front_cpu_busy": round(total_cpu_s / wall_s, 3),
+        "front_cpu_busy_max": round(max(front_cpu_s) / wall_s, 3),
+        "front_cpu_us_per_token": round(total_cpu_s / max(tokens, 1) * 1e6, 2),
+        "front_cpu_us_per_event": round(total_cpu_s / max(events, 1) * 1e6, 2),
         **client,
     }
 
@@ -215,7 +251,9 @@ COLUMNS = [
     ("offered tok/s", "offered_tok_s"),
     ("of offered", "of_offered"),
     ("tok/event", "tokens_per_event"),
-    ("front CPU", "front_cpu_busy"),
+    ("workers", "tokenizer_workers"),
+    ("front CPU", "front_cpu_busy"),  # all the workers together
+    ("front CPU max", "front_cpu_busy_max"),  # the busiest one
     ("µs/token", "front_cpu_us_per_token"),
     ("µs/event", "front_cpu_us_per_event"),
     ("TTFT p50", "ttft_p50"),
@@ -242,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="Requests per level, at least (else 8 x the concurrency).",
+    )
+    p.add_argument(
+        "--tokenizer-worker-num",
+        type=int,
+        default=1,
+        help="Tokenizer workers serving the port, this process included (the server's flag).",
     )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)

@@ -41,7 +41,9 @@ to go, and closes when the run's last request ends; the server's `/get_server_in
 both ends. Over that window:
 
 - `cpu_busy`: each server process's CPU seconds per second of the window (near 1: the process
-  was the bottleneck, or spinning); `client_cpu_busy` the client processes' together,
+  was the bottleneck, or spinning); with several tokenizer workers also the busiest worker's
+  (`tokenizer_workers_max`) and all of theirs (`tokenizer_workers_total`);
+  `client_cpu_busy` the client processes' together,
   `client_cpu_busy_max` the busiest one's (near 1: the load measured the client);
 - `timeline`: each process's step timeline over the steps begun in the window (of a window of
   more steps than a timeline keeps, 1024, the last); `decode bs` is the scheduler's mean decode
@@ -753,18 +755,32 @@ def cpu_s(info: dict[str, Any], proc: str) -> float:
     return float(info[proc]["timeline"]["cpu_s"])
 
 
+def tokenizer_workers_cpu_s(info: dict[str, Any]) -> dict[str, float]:
+    """Every tokenizer worker's CPU seconds, by name (servers before the workers: none)."""
+    return dict(info["tokenizer"].get("workers_cpu_s") or {})
+
+
 def window_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What the server did in a load window, from its info at the window's opening and
     closing (`after` taken with `timeline_since` the opening's clock): per process, its step
     timeline and its CPU seconds per second of the window; the graphs captured, the JIT
     misses and the prompt tokens served from the prefix cache in it."""
     wall = after["clock_s"] - before["clock_s"]
+    cpu_busy = {
+        proc: round((cpu_s(after, proc) - cpu_s(before, proc)) / wall, 3) for proc in PROCESSES
+    }
+    first, last = tokenizer_workers_cpu_s(before), tokenizer_workers_cpu_s(after)
+    if len(last) > 1:
+        # Each answer may come from another worker, whose timeline is its own: the shares
+        # come from every worker's counters. "tokenizer" is the main process's.
+        workers = {name: (last[name] - first[name]) / wall for name in last}
+        cpu_busy["tokenizer"] = round(workers["tokenizer"], 3)
+        cpu_busy["tokenizer_workers_max"] = round(max(workers.values()), 3)
+        cpu_busy["tokenizer_workers_total"] = round(sum(workers.values()), 3)
     return {
         "server_window_s": round(wall, 3),
         "timeline": {proc: after[proc].get("timeline") for proc in PROCESSES},
-        "cpu_busy": {
-            proc: round((cpu_s(after, proc) - cpu_s(before, proc)) / wall, 3) for proc in PROCESSES
-        },
+        "cpu_busy": cpu_busy,
         "captures_in_window": growth(before, after, *CAPTURES),
         "jit_misses_in_window": growth(before, after, *JIT_MISSES),
         "cached_tokens_in_window": growth(before, after, *CACHED_TOKENS),
@@ -1045,7 +1061,8 @@ TABLE = [
     ("extend time %", "extend_share"),
     ("CPU sched", "cpu_scheduler"),
     ("CPU runner", "cpu_runner"),
-    ("CPU tok", "cpu_tokenizer"),
+    ("CPU tok", "cpu_tokenizer"),  # the main process's
+    ("CPU tok max", "cpu_tokenizer_workers_max"),  # with several workers, the busiest one's
     ("CPU client", "client_cpu_busy"),  # all its processes together
     ("client procs", "client_processes"),
     ("CPU client max", "client_cpu_busy_max"),  # its busiest process

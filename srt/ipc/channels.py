@@ -63,7 +63,12 @@ class Channel(Generic[M]):
 TO_SCHEDULER = Channel("scheduler", ToScheduler)  # requests, aborts, flush and info requests
 TO_RUNNER = Channel("runner", ToRunner)  # batch plans, info requests
 FROM_RUNNER = Channel("runner-results", FromRunner)  # batch results, runner info
-TO_TOKENIZER = Channel("tokenizer", ToTokenizer)  # step outputs, replies
+
+
+def to_tokenizer(worker: int) -> Channel[ToTokenizer]:
+    """Step outputs and replies to tokenizer worker `worker` (0: the main process; more with
+    --tokenizer-worker-num), each of which reads its own."""
+    return Channel(f"tokenizer-{worker}", ToTokenizer)
 
 
 def _socket(ctx: zmq.Context[Any], kind: int) -> Any:

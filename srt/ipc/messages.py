@@ -8,6 +8,10 @@ only its direction's messages:
     ToRunner      scheduler -> runner      BatchPlan, InfoReq (passed on)
     FromRunner    runner -> scheduler      RunnerReady, BatchResult, RunnerInfoReply
     ToTokenizer   scheduler -> tokenizer   StepOutputs, Replies
+
+With several tokenizer workers (--tokenizer-worker-num), each message to the scheduler names
+the worker that sent it (`tokenizer_worker`): the answers and a request's outputs go back to
+that worker alone.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from srt.sampling_params import SamplingParams
 
 
 class ToScheduler:
-    """A message to the scheduler, from the tokenizer process."""
+    """A message to the scheduler, from a tokenizer worker."""
+
+    tokenizer_worker: int  # the sender: answers go back to it
 
 
 class ToRunner:
@@ -46,16 +52,18 @@ class GenerateReq(ToScheduler):
     input_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = False
+    tokenizer_worker: int = 0  # which one sent it, and gets its outputs
 
 
 @dataclass
 class AbortReq(ToScheduler):
     rid: str
+    tokenizer_worker: int = 0
 
 
 @dataclass
 class FlushCacheReq(ToScheduler):
-    pass
+    tokenizer_worker: int = 0
 
 
 @dataclass
@@ -279,6 +287,7 @@ class InfoReq(ToScheduler, ToRunner):
     # Summarise each process's step timeline over the steps begun since this
     # `time.perf_counter()` value (None: every step it keeps).
     timeline_since: float | None = None
+    tokenizer_worker: int = 0
 
 
 @dataclass

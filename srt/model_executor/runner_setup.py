@@ -129,6 +129,7 @@ NOT_IN_COMPILE_KEY: dict[str, str] = {
     "max_request_bytes": _SERVER,
     "incremental_streaming_output": _SERVER,
     "log_level": _SERVER,
+    "tokenizer_worker_num": _SERVER,
 }
 
 

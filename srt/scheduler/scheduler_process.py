@@ -23,10 +23,10 @@ from srt.ipc.channels import (
     FROM_RUNNER,
     TO_RUNNER,
     TO_SCHEDULER,
-    TO_TOKENIZER,
     Endpoints,
     Receiver,
     Sender,
+    to_tokenizer,
 )
 from srt.ipc.messages import (
     AbortReq,
@@ -43,6 +43,7 @@ from srt.ipc.messages import (
     StepOutputs,
     TokenOutput,
     ToScheduler,
+    ToTokenizer,
 )
 from srt.model_config import ModelConfig
 from srt.process import ReadyPipe, run_child
@@ -58,13 +59,54 @@ R = TypeVar("R")
 _BLOCKED_POLL_MS = 10
 
 
+class OutputRoutes:
+    """Where outputs go: each request's to the tokenizer worker that sent it, an answer to the
+    worker that asked. With one worker (the default) everything goes to it, unrecorded."""
+
+    def __init__(self, senders: list[Sender[ToTokenizer]]) -> None:
+        self.senders = senders
+        self.worker_of: dict[str, int] = {}  # the running requests', with several workers
+
+    def admit(self, rid: str, worker: int) -> None:
+        if len(self.senders) > 1:
+            self.worker_of[rid] = worker
+
+    def forget(self, rid: str) -> None:
+        self.worker_of.pop(rid, None)
+
+    def send_outputs(self, outputs: list[TokenOutput]) -> None:
+        """A step's outputs, one message to each worker that has any."""
+        if not outputs:
+            return
+        if len(self.senders) == 1:
+            self.senders[0].send(StepOutputs.pack(outputs))
+            return
+        by_worker: dict[int, list[TokenOutput]] = {}
+        worker_of = self.worker_of
+        for out in outputs:
+            # A finished request sends nothing more: forget where it came from.
+            worker = worker_of.pop(out.rid) if out.finished_reason else worker_of[out.rid]
+            by_worker.setdefault(worker, []).append(out)
+        for worker, group in by_worker.items():
+            self.senders[worker].send(StepOutputs.pack(group))
+
+    def send_replies(
+        self, replies: dict[int, list[TokenOutput | FlushCacheOutput | InfoOutput]]
+    ) -> None:
+        """Answers to one turn of the inbox, by the worker whose message each answers."""
+        for worker, items in replies.items():
+            self.senders[worker].send(Replies(items))
+
+
 class SchedulerLoop:
     def __init__(self, args: ServerArgs, endpoints: Endpoints) -> None:
         self.ctx = zmq.Context()
         self.inbox = Receiver(self.ctx, endpoints, TO_SCHEDULER)
         self.results = Receiver(self.ctx, endpoints, FROM_RUNNER)
         self.to_runner = Sender(self.ctx, endpoints, TO_RUNNER)
-        self.to_tokenizer = Sender(self.ctx, endpoints, TO_TOKENIZER)
+        self.routes = OutputRoutes(
+            [Sender(self.ctx, endpoints, to_tokenizer(w)) for w in range(args.tokenizer_worker_num)]
+        )
         assert args.model_path is not None, "the launcher resolves model_path"
         config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
         # The runner's first message, once its KV cache exists.
@@ -135,11 +177,10 @@ class SchedulerLoop:
         return msg
 
     def _send_outputs(self, outputs: list[TokenOutput]) -> None:
-        if outputs:
-            self.to_tokenizer.send(StepOutputs.pack(outputs))
+        self.routes.send_outputs(outputs)
 
     def _handle_inbox(self) -> None:
-        replies: list[TokenOutput | FlushCacheOutput | InfoOutput] = []
+        replies: dict[int, list[TokenOutput | FlushCacheOutput | InfoOutput]] = {}
         while True:
             try:
                 msg = self.inbox.recv(zmq.NOBLOCK)
@@ -147,9 +188,8 @@ class SchedulerLoop:
                 break
             reply = self._handle(msg)
             if reply is not None:
-                replies.append(reply)
-        if replies:
-            self.to_tokenizer.send(Replies(replies))
+                replies.setdefault(msg.tokenizer_worker, []).append(reply)
+        self.routes.send_replies(replies)
 
     def _handle(self, msg: ToScheduler) -> TokenOutput | FlushCacheOutput | InfoOutput | None:
         if isinstance(msg, GenerateReq):
@@ -158,9 +198,13 @@ class SchedulerLoop:
             except Exception as e:  # one bad request must never stop the others
                 logger.warning("rejected request %s: %s: %s", msg.rid, type(e).__name__, e)
                 return TokenOutput(msg.rid, [], finished_reason="abort", error=str(e))
+            self.routes.admit(msg.rid, msg.tokenizer_worker)
             return None
         if isinstance(msg, AbortReq):
-            return self.scheduler.abort(msg.rid)
+            aborted = self.scheduler.abort(msg.rid)
+            if aborted is not None:  # the answer ends it: no output of it follows
+                self.routes.forget(msg.rid)
+            return aborted
         if isinstance(msg, FlushCacheReq):
             return FlushCacheOutput(self.scheduler.flush_cache())
         if isinstance(msg, InfoReq):

@@ -1,7 +1,8 @@
-"""The main process's supervision of the server: spawn the scheduler and model runner children,
-serve HTTP (503 until every process is ready), assemble the ready lines and the startup
-breakdown from each process's report, and take everything down when a child dies or a signal
-comes. `srt.launch_server` is its command line.
+"""The main process's supervision of the server: spawn the scheduler and model runner children
+(and the other tokenizer workers, with --tokenizer-worker-num), serve HTTP (503 until every
+process is ready), assemble the ready lines and the startup breakdown from each process's
+report, and take everything down when a child dies or a signal comes. `srt.launch_server` is
+its command line.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from srt.ipc.channels import Endpoints
 from srt.ipc.reports import ProcessStartup, ReadyReport, RunnerInfo, ServerStartup, StartFailure
 from srt.process import ChildEntry, ReadyPipe
+from srt.server.tokenizer_worker import SHUTDOWN_REASON, ServeFrom, StopServing
 from srt.server_args import ServerArgs
 from srt.tp_rank import tp_ranks
 
@@ -37,13 +42,7 @@ _SUPERVISE_S = 0.2  # how often children are checked
 _STARTING_POLL_S = 0.01  # and while starting, so that readiness is noticed at once
 
 
-_GRACEFUL_SHUTDOWN_S = 3  # open HTTP requests get this long to finish on shutdown
-
-
 _CHILD_STOP_S = 5  # SIGTERM, then SIGKILL after this long
-
-
-_SHUTDOWN_REASON = "the server is shutting down"
 
 
 class BackendFailed(RuntimeError):
@@ -54,6 +53,9 @@ RUNNER_MODULE = "srt.model_executor.runner_process"
 
 
 SCHEDULER_MODULE = "srt.scheduler.scheduler_process"
+
+
+TOKENIZER_WORKER_MODULE = "srt.server.tokenizer_worker"
 
 
 class Child:
@@ -128,8 +130,6 @@ class Child:
 
 class Launcher:
     def __init__(self, args: ServerArgs, model_config: ModelConfig, launched: float) -> None:
-        from srt.ipc.channels import Endpoints
-
         self.args = args
         self.model_config = model_config
         self.launched = launched  # perf_counter() when main() began
@@ -137,6 +137,8 @@ class Launcher:
         self.children: dict[str, Child] = {}
         self.manager: TokenizerManager | None = None
         self.server: uvicorn.Server | None = None
+        # The other tokenizer workers' order pipes (ServeFrom, StopServing), by child name.
+        self.worker_orders: dict[str, Connection] = {}
         self.stopping = False
         # This process's own start, in order: each part's seconds (see `_mark`).
         self.parts: dict[str, float] = {}
@@ -169,32 +171,29 @@ class Launcher:
         for name, module, function, call_args in spawns:
             target = ChildEntry(module, function)
             self.children[name] = Child(name, target, call_args, self.launched)
+        self._spawn_tokenizer_workers()
         self._mark("start_s")
+
+    def _spawn_tokenizer_workers(self) -> None:
+        for name, (child, orders) in spawn_tokenizer_workers(
+            self.args, self.endpoints, self.launched
+        ).items():
+            self.children[name] = child
+            self.worker_orders[name] = orders
+
+    def _order_workers(self, order: ServeFrom | StopServing) -> None:
+        order_workers(self.worker_orders, order)
 
     def run(self, sock: socket.socket) -> int:
         """Serve on `sock` until a signal (exit code 0) or a child failure (1)."""
-        import uvicorn
         import uvloop
 
-        from srt.server.http.app import create_app
+        from srt.server.http.uvicorn_server import http_server
         from srt.server.tokenizer_manager import TokenizerManager
 
         self._mark("imports_s")
         self.manager = TokenizerManager(self.args, self.endpoints, self.model_config)
-        # uvicorn's own INFO lines (started, waiting for startup...) would read as the
-        # server's; srt logs its lifecycle itself, so only uvicorn's warnings come through.
-        level = max(logging.WARNING, logging.getLogger().getEffectiveLevel())
-        config = uvicorn.Config(
-            create_app(self.manager),
-            host=self.args.host,
-            port=self.args.port,
-            loop="none",
-            log_config=None,
-            log_level=level,
-            access_log=False,
-            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
-        )
-        self.server = uvicorn.Server(config)
+        self.server = http_server(self.manager)
         self.server.should_exit = self.stopping
         self._mark("app_s")
         return uvloop.run(self._serve(sock))
@@ -240,6 +239,7 @@ class Launcher:
                     return 0
                 logger.error("%s; shutting down", e)
                 self.manager.fail(str(e))
+                self._order_workers(StopServing(str(e)))
                 self.server.should_exit = True
                 return 1
             if (
@@ -251,7 +251,8 @@ class Launcher:
             await asyncio.sleep(_SUPERVISE_S if self.manager.ready else _STARTING_POLL_S)
         # A signal: requests in flight end now, with an error (a final event and [DONE] for a
         # stream), rather than being cut off when the graceful shutdown runs out.
-        ended = self.manager.fail(_SHUTDOWN_REASON)
+        ended = self.manager.fail(SHUTDOWN_REASON)
+        self._order_workers(StopServing(SHUTDOWN_REASON))
         if ended:
             logger.info("shutting down: ended %d sequence(s) in flight", ended)
         return 0
@@ -268,6 +269,10 @@ class Launcher:
                 name: child.startup({})
                 for name, child in self.children.items()
                 if name.startswith("model_runner_rank")
+            },
+            **{
+                name: self.children[name].startup({"tokenizer_s": self._setup_s(name)})
+                for name in self.worker_orders
             },
         }
         backends = ", ".join(f"{phase} {g.backend}" for phase, g in info.graphs.items())
@@ -293,15 +298,21 @@ class Launcher:
             scheduler.pid,
             parts_text(scheduler),
         )
+        for name in self.worker_orders:
+            logger.info(
+                "%s ready after %.2f s (pid %d; %s)",
+                name,
+                processes[name].ready_after_s,
+                processes[name].pid,
+                parts_text(processes[name]),
+            )
         startup_s = round(time.perf_counter() - self.launched, 3)
         tokenizer = ProcessStartup(os.getpid(), startup_s, with_other(startup_s, self.parts))
-        self.manager.mark_ready(
-            info.context_length,
-            info.kv_slots,
-            ServerStartup(
-                startup_s, time.time(), self.endpoints.dir, {"tokenizer": tokenizer, **processes}
-            ),
+        startup = ServerStartup(
+            startup_s, time.time(), self.endpoints.dir, {"tokenizer": tokenizer, **processes}
         )
+        self._order_workers(ServeFrom(info.context_length, info.kv_slots, startup))
+        self.manager.mark_ready(info.context_length, info.kv_slots, startup)
         logger.info(
             "server ready in %.2f s (this process: %s): serving %s at http://%s:%d",
             startup_s,
@@ -311,14 +322,55 @@ class Launcher:
             self.args.port,
         )
 
+    def _setup_s(self, name: str) -> float:
+        report = self.children[name].report
+        assert report is not None, "only once it reported ready"
+        return report.setup_s
+
     def cleanup(self) -> None:
         if self.manager is not None:
             self.manager.close()
+        for conn in self.worker_orders.values():
+            conn.close()
         for child in self.children.values():
             child.stop()
         for child in self.children.values():
             child.join()
         self.endpoints.remove()
+
+
+def spawn_tokenizer_workers(
+    args: ServerArgs, endpoints: Endpoints, launched: float
+) -> dict[str, tuple[Child, Connection]]:
+    """The tokenizer workers beyond this process's (none unless --tokenizer-worker-num), each
+    with the pipe of its orders, by name. Call before this process imports prometheus_client:
+    with workers, it and they count in files the directory set here holds."""
+    count = args.tokenizer_worker_num
+    if count == 1:
+        return {}
+    assert "prometheus_client" not in sys.modules, "it reads PROMETHEUS_MULTIPROC_DIR on import"
+    metrics_dir = os.path.join(endpoints.dir, "metrics")
+    os.mkdir(metrics_dir, 0o700)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the workers inherit it
+    ctx = mp.get_context("spawn")
+    target = ChildEntry(TOKENIZER_WORKER_MODULE, "run_tokenizer_worker")
+    workers = {}
+    for worker in range(1, count):
+        name = f"tokenizer{worker}"
+        theirs, ours = ctx.Pipe(duplex=False)
+        child = Child(name, target, (args, endpoints, worker, theirs), launched)
+        theirs.close()  # the worker holds the reading end
+        workers[name] = (child, ours)
+    return workers
+
+
+def order_workers(orders: dict[str, Connection], order: ServeFrom | StopServing) -> None:
+    """Send `order` to every tokenizer worker of `orders` (their pipes, by name)."""
+    for name, conn in orders.items():
+        try:
+            conn.send(order)
+        except OSError:  # it is gone; its death is reported on its own
+            logger.debug("%s did not take %s", name, type(order).__name__)
 
 
 def runner_parts(info: RunnerInfo) -> dict[str, float]:

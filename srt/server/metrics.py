@@ -3,11 +3,21 @@
 Counters and latency histograms are updated by the tokenizer manager as tokens stream back;
 the gauges (queue, KV usage, graph and compile state) are read from the live scheduler and
 runner info at each scrape.
+
+With several tokenizer workers a scrape reaches one of them, and must still count every
+worker's requests: their counters and histograms are then prometheus_client's multiprocess
+ones (values in files under `PROMETHEUS_MULTIPROC_DIR`, which the launcher sets for every
+worker before any imports prometheus_client), summed over the workers at each scrape. The
+gauges are the scheduler's and runner's, the same whichever worker asks.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from srt.ipc.reports import RunnerInfo, SchedulerInfo
 
@@ -46,8 +56,33 @@ def graph_figures(runner: RunnerInfo) -> dict[str, float]:
     }
 
 
+_GAUGES = {
+    "running_requests": "Requests in the running batch.",
+    "queued_requests": "Requests waiting for admission.",
+    "kv_cache_usage_ratio": "Fraction of KV slots in use (cached prefixes included).",
+    "kv_cache_used_slots": "KV slots in use (cached prefixes included).",
+    "captured_buckets": "Graph buckets captured so far, all phases.",
+    "compile_seconds": "Seconds spent in torch.compile.",
+    "capture_seconds": "Seconds spent capturing graphs.",
+    "startup_seconds": "Seconds from launch to ready.",
+}
+
+
+class LiveGauges:
+    """A collector of the gauges' values at one scrape (no process keeps them)."""
+
+    def __init__(self, values: dict[str, float]) -> None:
+        self.values = values
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, doc in _GAUGES.items():
+            yield GaugeMetricFamily(f"srt_{name}", doc, value=self.values[name])
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
+        """`shared`: the counts are every tokenizer worker's (see the module's docstring)."""
+        self.shared = shared
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "srt_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
@@ -72,19 +107,6 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.gauges = {
-            name: Gauge(f"srt_{name}", doc, registry=r)
-            for name, doc in [
-                ("running_requests", "Requests in the running batch."),
-                ("queued_requests", "Requests waiting for admission."),
-                ("kv_cache_usage_ratio", "Fraction of KV slots in use (cached prefixes included)."),
-                ("kv_cache_used_slots", "KV slots in use (cached prefixes included)."),
-                ("captured_buckets", "Graph buckets captured so far, all phases."),
-                ("compile_seconds", "Seconds spent in torch.compile."),
-                ("capture_seconds", "Seconds spent capturing graphs."),
-                ("startup_seconds", "Seconds from launch to ready."),
-            ]
-        }
 
     def observe_tokens(self, n: int, since_last_s: float, first: bool) -> None:
         self.generation_tokens.inc(n)
@@ -97,7 +119,7 @@ class ServerMetrics:
     def render(self, scheduler: SchedulerInfo, runner: RunnerInfo, startup_s: float) -> bytes:
         """The Prometheus text exposition, gauges set from the live info."""
         graphs = graph_figures(runner)
-        values = {
+        values: dict[str, float] = {
             "running_requests": scheduler.running_requests,
             "queued_requests": scheduler.queued_requests,
             "kv_cache_usage_ratio": scheduler.kv_usage,
@@ -107,6 +129,10 @@ class ServerMetrics:
             "capture_seconds": graphs["capture_s"],
             "startup_seconds": startup_s,
         }
-        for name, value in values.items():
-            self.gauges[name].set(value)
-        return generate_latest(self.registry)
+        totals = self.registry
+        if self.shared:
+            totals = CollectorRegistry()
+            MultiProcessCollector(totals)
+        live = CollectorRegistry()
+        live.register(LiveGauges(values))
+        return generate_latest(totals) + generate_latest(live)

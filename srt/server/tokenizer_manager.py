@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import zmq
 
 from srt.errors import InvalidRequest
-from srt.ipc.channels import TO_SCHEDULER, TO_TOKENIZER, Endpoints, Receiver, Sender
+from srt.ipc.channels import TO_SCHEDULER, Endpoints, Receiver, Sender, to_tokenizer
 from srt.ipc.messages import (
     AbortReq,
     FlushCacheOutput,
@@ -83,13 +83,22 @@ class Mailbox:
 
 
 class TokenizerManager:
-    def __init__(self, args: ServerArgs, endpoints: Endpoints, model_config: ModelConfig) -> None:
+    def __init__(
+        self,
+        args: ServerArgs,
+        endpoints: Endpoints,
+        model_config: ModelConfig,
+        worker: int = 0,
+    ) -> None:
+        """`worker`: which tokenizer worker this is (0, the main process's, unless
+        --tokenizer-worker-num starts more); the scheduler sends it its own requests' outputs."""
         self.args = args
+        self.worker = worker
         self.model_config = model_config
         assert args.model_path is not None, "the launcher resolves model_path"
         self.model_name = args.served_model_name or args.model_path
         self.tokenizer: Any = None  # `load_tokenizer`, before the server is marked ready
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(shared=args.tokenizer_worker_num > 1)
         # Set once every child is ready (the runner decides the KV size and context length).
         self.ready = False
         self.failure: str | None = None
@@ -104,7 +113,7 @@ class TokenizerManager:
         # Sync sockets: sends never wait (no high-water mark), and the inbox is drained on
         # the loop's readiness callback (Receiver.recv_all_async).
         self.ctx = zmq.Context()
-        self.inbox = Receiver(self.ctx, endpoints, TO_TOKENIZER)
+        self.inbox = Receiver(self.ctx, endpoints, to_tokenizer(worker))
         self.to_scheduler = Sender(self.ctx, endpoints, TO_SCHEDULER)
         self.seq_mailboxes: dict[str, Mailbox] = {}
         self.info_waiters: dict[int, asyncio.Future[InfoOutput]] = {}
@@ -194,7 +203,7 @@ class TokenizerManager:
         req_id = next(self.info_ids)
         waiter = asyncio.get_running_loop().create_future()
         self.info_waiters[req_id] = waiter
-        self.to_scheduler.send(InfoReq(req_id, timeline_since))
+        self.to_scheduler.send(InfoReq(req_id, timeline_since, self.worker))
         try:
             return await waiter
         finally:
@@ -204,7 +213,7 @@ class TokenizerManager:
         self.check_ready()
         waiter = asyncio.get_running_loop().create_future()
         self.flush_waiters.append(waiter)
-        self.to_scheduler.send(FlushCacheReq())
+        self.to_scheduler.send(FlushCacheReq(self.worker))
         return await waiter
 
     # ---- requests -------------------------------------------------------------------------
@@ -242,7 +251,8 @@ class TokenizerManager:
         pending = set(rids)
         for rid, seq in zip(rids, seqs, strict=True):
             self.seq_mailboxes[rid] = mailbox
-            self.to_scheduler.send(GenerateReq(rid, seq.input_ids, seq.params, stream=True))
+            req = GenerateReq(rid, seq.input_ids, seq.params, True, self.worker)
+            self.to_scheduler.send(req)
             self.metrics.prompt_tokens.inc(len(seq.input_ids))
         try:
             while pending:
@@ -268,7 +278,7 @@ class TokenizerManager:
                         self.seq_mailboxes.pop(out.rid, None)
                         self.metrics.observe_finish(update.finish_reason, now - arrival)
                         if abort:  # a stop string: the scheduler, seeing only ids, runs it on
-                            self.to_scheduler.send(AbortReq(out.rid))
+                            self.to_scheduler.send(AbortReq(out.rid, self.worker))
                     yield update
         finally:
             for rid in rids:
@@ -276,7 +286,7 @@ class TokenizerManager:
                 if rid in pending:
                     self.metrics.observe_finish("abort", time.perf_counter() - arrival)
                     if self.failure is None:
-                        self.to_scheduler.send(AbortReq(rid))
+                        self.to_scheduler.send(AbortReq(rid, self.worker))
 
     async def generate_all(self, seqs: list[Seq]) -> list[SeqResult]:
         results = [SeqResult(i) for i in range(len(seqs))]

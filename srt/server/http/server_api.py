@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from srt.ipc.reports import TimelineSummary, jsonable
+from srt.process import process_cpu_s
 from srt.server.http.common import OrjsonResponse, error_response
 from srt.server.tokenizer_manager import TokenizerManager
 
@@ -28,6 +29,18 @@ def internal_state(scheduler_timeline: TimelineSummary) -> dict[str, Any]:
         else 0.0
     )
     return {"avg_spec_accept_length": None, "last_gen_throughput": throughput}
+
+
+def tokenizer_workers_cpu_s(manager: TokenizerManager) -> dict[str, float]:
+    """Each tokenizer process's CPU seconds so far, by its name in the startup record: one
+    worker answers, and a benchmark needs all of their shares."""
+    processes = manager.startup.processes if manager.startup else {}
+    seconds = {}
+    for name, entry in processes.items():
+        cpu_s = process_cpu_s(entry.pid) if name.startswith("tokenizer") else None
+        if cpu_s is not None:
+            seconds[name] = round(cpu_s, 3)
+    return seconds
 
 
 def server_router(manager: TokenizerManager) -> APIRouter:
@@ -66,7 +79,11 @@ def server_router(manager: TokenizerManager) -> APIRouter:
                 **jsonable(info.scheduler),
                 "timeline": jsonable(info.scheduler_timeline),
             },
-            "tokenizer": {"timeline": jsonable(manager.timeline.summary(timeline_since))},
+            "tokenizer": {
+                "timeline": jsonable(manager.timeline.summary(timeline_since)),
+                "worker": manager.worker,  # the tokenizer worker that answered
+                "workers_cpu_s": tokenizer_workers_cpu_s(manager),
+            },
             "internal_states": [internal_state(info.scheduler_timeline)],
             # The timelines' clock (`time.perf_counter()`, one clock for all the processes).
             "clock_s": time.perf_counter(),
