@@ -28,9 +28,10 @@
 #                        captured with mixed steps (mixed); SERVING_VARIANTS overrides
 #   attention            srt.bench.attention on the 1B and 8B heads, for ATTENTION_BACKENDS
 #                        (default: triton flashinfer)
-# SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first, their
-# commands (ninja, which FlashInfer's JIT runs) on the PATH; FlashInfer's modules build once
-# per host under $WORK/flashinfer for the tests, under the bench's compile cache root else.
+# SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first (again
+# only when they changed), their commands (ninja, which FlashInfer's JIT runs) on the PATH.
+# FlashInfer's modules build once per host under $WORK/flashinfer (FLASHINFER_WORKSPACE_BASE,
+# unless set) for every stage but the cold starts, whose servers build under their own roots.
 # Exit status: non-zero if any step failed (the others still run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,10 +42,17 @@ exec > >(tee -a "$out/round.log") 2>&1
 
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
-    .whl/*.whl
+  # pip gives every file it installs the time of the install, and FlashInfer's build files
+  # list its headers (which are in the wheel) among each module's inputs: installing the same
+  # wheels again would make ninja compile every module this host has built once more.
+  wheels=$(sha256sum .whl/*.whl)
+  if [ "$wheels" != "$(cat /tmp/site/.srt-wheels 2>/dev/null)" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+      .whl/*.whl && echo "$wheels" > /tmp/site/.srt-wheels
+  fi
   export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 fi
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$work/flashinfer}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__,
@@ -158,7 +166,7 @@ for stage in "$@"; do
   case $stage in
     tests)  # its whole log comes back: the failures are what the next round fixes
       # shellcheck disable=SC2086
-      FLASHINFER_WORKSPACE_BASE=$work/flashinfer step tests timeout "${TESTS_TIMEOUT:-1200}" \
+      step tests timeout "${TESTS_TIMEOUT:-1200}" \
         python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${TESTS_PATHS:-tests}
       cp "$work/logs/tests.log" "$out/tests.log" ;;
     attention)
