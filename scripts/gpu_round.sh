@@ -16,7 +16,9 @@
 #                        Inductor pieces, breakable, tc_piecewise eager and inductor, full
 #                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF)
 #                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists)
-#   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list)
+#   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list), each
+#                        on every backend of COLD_START_ATTENTION where it is set (e.g.
+#                        "triton flashinfer": both backends' cold and warm starts, compared)
 #   frontend             srt.bench.frontend: the main process alone at a FRONTEND_STEP_MS step
 #                        (default 1.5), and the same for the tree in .baseline if there is one
 #   serving-SHAPE        serving at concurrency 1, 32, 64, 128 (64 requests at 1, 1,024 at the
@@ -127,11 +129,14 @@ checkpoint() {  # sets CKPT: a random checkpoint of the shape on local disk, wri
 cold_start() {
   local shape=$1
   local configs=${COLD_START_CONFIGS:-nographs full-lazy full-upfront tcpw-inductor-lazy tcpw-inductor-upfront full-inductor-lazy full-inductor-upfront}
+  local backends=()
+  # shellcheck disable=SC2206
+  [ -n "${COLD_START_ATTENTION:-}" ] && backends=(--attention-backends $COLD_START_ATTENTION)
   checkpoint "$shape"
   rm -rf "$work/cold-$shape"
   # shellcheck disable=SC2086
   step "cold_start-$shape" python3 -m srt.bench.cold_start --model-path "$CKPT" \
-    --configs $configs --cache-root "$work/cold-$shape" \
+    --configs $configs "${backends[@]}" --cache-root "$work/cold-$shape" \
     --output-file "$out/cold_start-$shape.json" --plot "$out/cold_start-$shape.png"
 }
 
