@@ -112,6 +112,11 @@ def main(paths: list[str]) -> None:
             print()
             print(markdown_table(cold_start.table_rows(data["runs"]), cold_start.PARTS_TABLE))
             print()
+            if data.get("attention_backends"):
+                first = data["attention_backends"][0]
+                rows = cold_start.against_first_backend(data["runs"], first)
+                print(markdown_table(rows, cold_start.BACKEND_TABLE))
+                print()
             print(
                 markdown_table(
                     [

@@ -16,7 +16,9 @@
 #                        Inductor pieces, breakable, tc_piecewise eager and inductor, full
 #                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF)
 #                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists)
-#   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list)
+#   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list), each
+#                        on every backend of COLD_START_ATTENTION where it is set (e.g.
+#                        "triton flashinfer": both backends' cold and warm starts, compared)
 #   frontend             srt.bench.frontend: the main process alone at a FRONTEND_STEP_MS step
 #                        (default 1.5), with each of FRONTEND_WORKERS tokenizer workers
 #                        (default 1), and the same for the tree in .baseline if there is one
@@ -30,9 +32,10 @@
 #                        output every N tokens (siN); SERVING_VARIANTS overrides
 #   attention            srt.bench.attention on the 1B and 8B heads, for ATTENTION_BACKENDS
 #                        (default: triton flashinfer)
-# SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first, their
-# commands (ninja, which FlashInfer's JIT runs) on the PATH; FlashInfer's modules build once
-# per host under $WORK/flashinfer for the tests, under the bench's compile cache root else.
+# SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first (again
+# only when they changed), their commands (ninja, which FlashInfer's JIT runs) on the PATH.
+# FlashInfer's modules build once per host under $WORK/flashinfer (FLASHINFER_WORKSPACE_BASE,
+# unless set) for every stage but the cold starts, whose servers build under their own roots.
 # Exit status: non-zero if any step failed (the others still run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,10 +46,17 @@ exec > >(tee -a "$out/round.log") 2>&1
 
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
-    .whl/*.whl
+  # pip gives every file it installs the time of the install, and FlashInfer's build files
+  # list its headers (which are in the wheel) among each module's inputs: installing the same
+  # wheels again would make ninja compile every module this host has built once more.
+  wheels=$(sha256sum .whl/*.whl)
+  if [ "$wheels" != "$(cat /tmp/site/.srt-wheels 2>/dev/null)" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+      .whl/*.whl && echo "$wheels" > /tmp/site/.srt-wheels
+  fi
   export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 fi
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$work/flashinfer}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__,
@@ -121,11 +131,14 @@ checkpoint() {  # sets CKPT: a random checkpoint of the shape on local disk, wri
 cold_start() {
   local shape=$1
   local configs=${COLD_START_CONFIGS:-nographs full-lazy full-upfront tcpw-inductor-lazy tcpw-inductor-upfront full-inductor-lazy full-inductor-upfront}
+  local backends=()
+  # shellcheck disable=SC2206
+  [ -n "${COLD_START_ATTENTION:-}" ] && backends=(--attention-backends $COLD_START_ATTENTION)
   checkpoint "$shape"
   rm -rf "$work/cold-$shape"
   # shellcheck disable=SC2086
   step "cold_start-$shape" python3 -m srt.bench.cold_start --model-path "$CKPT" \
-    --configs $configs --cache-root "$work/cold-$shape" \
+    --configs $configs "${backends[@]}" --cache-root "$work/cold-$shape" \
     --output-file "$out/cold_start-$shape.json" --plot "$out/cold_start-$shape.png"
 }
 
@@ -163,7 +176,7 @@ for stage in "$@"; do
   case $stage in
     tests)  # its whole log comes back: the failures are what the next round fixes
       # shellcheck disable=SC2086
-      FLASHINFER_WORKSPACE_BASE=$work/flashinfer step tests timeout "${TESTS_TIMEOUT:-1200}" \
+      step tests timeout "${TESTS_TIMEOUT:-1200}" \
         python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${TESTS_PATHS:-tests}
       cp "$work/logs/tests.log" "$out/tests.log" ;;
     attention)

@@ -9,6 +9,7 @@ import math
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -739,6 +740,8 @@ def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys)
             "5",
             "--input-len",
             "8",
+            "--attention-backends",
+            "torch_native",
             "--cache-root",
             str(tmp_path / "caches"),
             "--output-file",
@@ -753,18 +756,24 @@ def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys)
     result = json.loads(out.read_text())
     runs = result["runs"]
     assert [(r["config"], r["cache"]) for r in runs] == [
-        ("nographs", "cold"),
-        ("nographs", "warm"),
-        ("full-small", "cold"),
-        ("full-small", "warm"),
+        ("nographs+torch_native", "cold"),
+        ("nographs+torch_native", "warm"),
+        ("full-small+torch_native", "cold"),
+        ("full-small+torch_native", "warm"),
     ]
-    assert runs[2]["flags"][-6:] == [
+    assert [(r["base_config"], r["attention"]) for r in runs[::2]] == [
+        ("nographs", "torch_native"),
+        ("full-small", "torch_native"),
+    ]
+    assert runs[2]["flags"][-8:] == [
         "--cuda-graph-backend-decode",
         "full",
         "--cuda-graph-bs-decode",
         "1",
         "2",
         "4",
+        "--attention-backend",
+        "torch_native",
     ]
     for r in runs:
         assert "error" not in r, r.get("error")
@@ -799,11 +808,81 @@ def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys)
         assert len(tl["t_s"]) == len(tl["ms"]) == len(tl["first_token"]) > 0
         assert sum(tl["first_token"]) == r["requests"]
         assert min(tl["t_s"]) >= 0
+        assert r["flashinfer_jit"] == {"compiled": 0, "loaded": 0, "s": 0.0}
     assert Path(runs[0]["log"]).is_file()
-    own_root = tmp_path / "caches" / "full-small"  # its own cache root, the tools' caches in it
+    # its own cache root, the tools' caches in it
+    own_root = tmp_path / "caches" / "full-small+torch_native"
     assert any(own_root.glob("*/factors.json")) and (own_root / "triton").is_dir()
     assert png.read_bytes()[:8] == PNG_MAGIC
-    assert "worst new-bucket excess ms" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "worst new-bucket excess ms" in printed and "ready - first backend's s" in printed
+
+
+def test_cold_start_configurations_per_attention_backend() -> None:
+    full = cold_start.Configuration("full", ["--cuda-graph-backend-decode", "full"])
+    nographs = cold_start.Configuration("nographs", ["--disable-cuda-graph"])
+    assert cold_start.per_attention_backend([full, nographs], []) == [full, nographs]
+    assert (full.label, full.server_flags()) == ("full", full.flags)
+    crossed = cold_start.per_attention_backend([full, nographs], ["triton", "flashinfer"])
+    assert [c.label for c in crossed] == [
+        "full+triton",
+        "full+flashinfer",
+        "nographs+triton",
+        "nographs+flashinfer",
+    ]
+    assert crossed[1].server_flags() == [*full.flags, "--attention-backend", "flashinfer"]
+    assert full.flags == ["--cuda-graph-backend-decode", "full"]  # the preset's list untouched
+    for flags in (["--attention-backend", "triton"], ["--attention-backend=triton"]):
+        assert cold_start.sets_attention_backend(["--port", "1", *flags])
+    assert not cold_start.sets_attention_backend(["--attention-backends-x"])
+    for argv in (
+        ["--attention-backends", "triton", "--", "--attention-backend", "flashinfer"],
+        ["--attention-backends", "triton", "--config", "x=--attention-backend=triton"],
+    ):
+        with pytest.raises(SystemExit):
+            cold_start.main(["--model-shape", "llama-3.2-1b", *argv])
+
+
+def test_cold_start_against_the_first_backend() -> None:
+    def start(
+        config: str, cache: str, attention: str | None, ready: float | None
+    ) -> dict[str, Any]:
+        row: dict[str, Any] = {"base_config": config, "cache": cache, "attention": attention}
+        if ready is not None:  # a start that became ready
+            row["ready_s"] = ready
+            row["breakdown"] = {"model_runner_flashinfer_jit_s": 0.0}
+            row["flashinfer_jit"] = {"compiled": 0, "loaded": 0, "s": 0.0}
+            if attention == "flashinfer":
+                compiled = 2 if cache == "cold" else 0
+                jit_s = 75.0 if cache == "cold" else 0.02
+                row["breakdown"]["model_runner_flashinfer_jit_s"] = jit_s
+                row["flashinfer_jit"] = {"compiled": compiled, "loaded": 2 - compiled, "s": jit_s}
+        return row
+
+    rows = [
+        start("full", "cold", "triton", 9.5),
+        start("full", "warm", "triton", 5.25),
+        start("full", "cold", "flashinfer", 86.0),
+        start("full", "warm", "flashinfer", 5.5),
+        start("nographs", "cold", "triton", None),  # did not become ready
+        start("nographs", "cold", "flashinfer", 80.0),
+        start("lone", "warm", None, 4.0),  # run without --attention-backends
+    ]
+    got = cold_start.against_first_backend(rows, "triton")
+    assert [(g["config"], g["cache"], g["attention"], g["ready_minus_first_s"]) for g in got] == [
+        ("full", "cold", "triton", 0.0),
+        ("full", "warm", "triton", 0.0),
+        ("full", "cold", "flashinfer", 76.5),
+        ("full", "warm", "flashinfer", 0.25),
+        ("nographs", "cold", "triton", None),
+        ("nographs", "cold", "flashinfer", None),
+    ]
+    assert [(g["flashinfer_compiled"], g["flashinfer_loaded"]) for g in got[2:4]] == [
+        (2, 0),
+        (0, 2),
+    ]
+    assert got[2]["flashinfer_jit_s"] == 75.0 and got[3]["ready_s"] == 5.5
+    assert got[4]["ready_s"] is None and got[4]["flashinfer_compiled"] is None
 
 
 def test_cold_start_config_syntax() -> None:

@@ -3,6 +3,7 @@ empty compile cache, then again warm from the cache the first start wrote, and m
 user of a fleet sees.
 
     python -m srt.bench.cold_start --model-path DIR --configs nographs full-lazy \\
+        [--attention-backends triton flashinfer] \\
         --output-file cold_start.json --plot cold_start.png [-- common server flags]
 
 Per start: the time from launch to `/health` 200 and the server's own startup breakdown; the
@@ -12,10 +13,17 @@ the first burst's time to the second token (prefill and first decode step, when 
 captured) against the second burst's, beside the server's own capture ms for that bucket;
 steady ITL at concurrency 1 and 32; graph memory; a timeline of every token's latency.
 
-Each configuration gets its own `--compile-cache-dir`; the server keeps Triton's and
-Inductor's caches under it (the benchmark clears `TRITON_CACHE_DIR` and
-`TORCHINDUCTOR_CACHE_DIR` for the server, which would otherwise take them elsewhere), so the
-cold start is cold all the way down and the warm one finds everything the cold one wrote.
+Each configuration gets its own `--compile-cache-dir`; the server keeps Triton's, Inductor's
+and FlashInfer's caches under it (the benchmark clears `TRITON_CACHE_DIR`,
+`TORCHINDUCTOR_CACHE_DIR` and `FLASHINFER_WORKSPACE_BASE` for the server, which would
+otherwise take them elsewhere), so the cold start is cold all the way down and the warm one
+finds everything the cold one wrote.
+
+`--attention-backends A B` runs every configuration once per attention backend (named
+`CONFIG+A`, `--attention-backend A` added to its flags), each with its own cold and warm
+start, and prints each start's ready time against the same configuration's and cache state's
+start on the first backend, beside FlashInfer's JIT builds before ready (`flashinfer_jit_s` of
+the runner's breakdown; modules compiled and only loaded).
 
 A real checkpoint on disk is the honest case (`python -m srt.tools.make_random_checkpoint`);
 `--model-shape` uses random weights drawn on the device, which skips the load.
@@ -33,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +72,40 @@ PRESETS: dict[str, list[str]] = {
     "full-inductor-upfront": [*_FULL_INDUCTOR, "--cuda-graph-capture", "upfront"],
 }
 CACHE_STATES = ("cold", "warm")
+# Cleared for each server: set, a tool's cache would outlive the cold start.
+TOOL_CACHE_ENV = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE")
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """A preset or `--config`, on one attention backend where `--attention-backends` is given
+    (else on what its flags and the server's default choose)."""
+
+    name: str
+    flags: list[str]
+    attention: str | None = None
+
+    @property
+    def label(self) -> str:
+        """Its name in the results, the tables, and its cache root's and logs' names."""
+        return f"{self.name}+{self.attention}" if self.attention else self.name
+
+    def server_flags(self) -> list[str]:
+        return (
+            [*self.flags, "--attention-backend", self.attention] if self.attention else self.flags
+        )
+
+
+def per_attention_backend(configs: list[Configuration], backends: list[str]) -> list[Configuration]:
+    """Each configuration once per backend, the backends of one configuration together (so
+    their starts are run close in time); `configs` as they are without backends."""
+    if not backends:
+        return configs
+    return [Configuration(c.name, c.flags, b) for c in configs for b in backends]
+
+
+def sets_attention_backend(flags: list[str]) -> bool:
+    return any(f == "--attention-backend" or f.startswith("--attention-backend=") for f in flags)
 
 
 def parse_config(text: str) -> tuple[str, list[str]]:
@@ -139,8 +182,8 @@ def measure_start(
     name: str, flags: list[str], cache: Path, state: str, ns: argparse.Namespace, log_dir: Path
 ) -> dict[str, Any]:
     """One server start and its traffic; the figures of one (configuration, cache) row."""
-    # Unset, the server puts them under `cache`; set, they would outlive the cold start.
-    env: dict[str, str | None] = {"TRITON_CACHE_DIR": None, "TORCHINDUCTOR_CACHE_DIR": None}
+    # Unset, the server puts them under `cache`.
+    env: dict[str, str | None] = dict.fromkeys(TOOL_CACHE_ENV)
     log = log_dir / f"{name}-{state}.log"
     row: dict[str, Any] = {"config": name, "flags": flags, "cache": state, "log": str(log)}
     with ServerProcess([*flags, "--compile-cache-dir", str(cache)], log, env=env) as server:
@@ -213,6 +256,7 @@ def measure_start(
                 )
             },
             "graph_pool": runner.get("graph_pool"),
+            "flashinfer_jit": runner.get("flashinfer_jit"),  # modules compiled, loaded, s
             "graphs": after.get("graphs"),
             "requests": len(traffic.records),
             "errors": len(errors),
@@ -359,6 +403,49 @@ BUCKET_TABLE = [
 ]
 
 
+# Each start against the first attention backend's (`--attention-backends`).
+BACKEND_TABLE = [
+    ("config", "config"),
+    ("cache", "cache"),
+    ("attention", "attention"),
+    ("ready s", "ready_s"),
+    ("ready - first backend's s", "ready_minus_first_s"),
+    ("flashinfer JIT s", "flashinfer_jit_s"),
+    ("modules compiled", "flashinfer_compiled"),
+    ("modules loaded", "flashinfer_loaded"),
+]
+
+
+def against_first_backend(rows: list[dict[str, Any]], first: str) -> list[dict[str, Any]]:
+    """The starts run per attention backend: each one's ready time minus that of the start of
+    the same configuration and cache state on `first` (the warm starts' difference is what a
+    restart on the backend costs over one on `first`; the cold starts' adds its JIT builds),
+    and FlashInfer's builds before ready. None where either start failed."""
+    ready = {(r["base_config"], r["cache"], r["attention"]): r.get("ready_s") for r in rows}
+    out = []
+    for r in rows:
+        if r.get("attention") is None:
+            continue
+        mine = r.get("ready_s")
+        theirs = ready.get((r["base_config"], r["cache"], first))
+        builds = r.get("flashinfer_jit") or {}
+        out.append(
+            {
+                "config": r["base_config"],
+                "cache": r["cache"],
+                "attention": r["attention"],
+                "ready_s": mine,
+                "ready_minus_first_s": None
+                if mine is None or theirs is None
+                else round(mine - theirs, 3),
+                "flashinfer_jit_s": (r.get("breakdown") or {}).get("model_runner_flashinfer_jit_s"),
+                "flashinfer_compiled": builds.get("compiled"),
+                "flashinfer_loaded": builds.get("loaded"),
+            }
+        )
+    return out
+
+
 def import_torch_s(runs: int = 3) -> float:
     """Median seconds of `python -c "import torch"` here: the yardstick a start is held
     against (a ratio survives a machine that is faster or busier than another)."""
@@ -418,6 +505,14 @@ def main(argv: list[str] | None = None) -> None:
         metavar="NAME=FLAGS",
         help="Another configuration (repeatable).",
     )
+    parser.add_argument(
+        "--attention-backends",
+        nargs="+",
+        default=[],
+        metavar="BACKEND",
+        help="Run every configuration once per attention backend (CONFIG+BACKEND), each "
+        "compared with the first (default: the backend its flags and the server choose).",
+    )
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument(
         "--bursts",
@@ -465,7 +560,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give --model-path or --model-shape, not both")
     if min(ns.bursts) < 1 or min(ns.steady_concurrency) < 1 or ns.steady_rounds < 1:
         parser.error("--bursts, --steady-concurrency and --steady-rounds must be positive")
-    configs = [(n, PRESETS[n]) for n in ns.configs] + ns.config
+    configs = [Configuration(n, PRESETS[n]) for n in ns.configs]
+    configs += [Configuration(n, flags) for n, flags in ns.config]
+    if ns.attention_backends and any(
+        sets_attention_backend(f) for f in (common, *(c.flags for c in configs))
+    ):
+        parser.error("--attention-backends: leave --attention-backend out of the flags")
+    configs = per_attention_backend(configs, ns.attention_backends)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="srt-cold-start-") as tmp:
         root = ns.cache_root or Path(tmp)
@@ -486,11 +587,14 @@ def main(argv: list[str] | None = None) -> None:
             "import_torch_s": reference_s,
             "model": ns.model_path or ns.model_shape,
             "common_flags": common,
+            "attention_backends": ns.attention_backends,
             "runs": rows,
         }
-        runs = [(n, f, s) for n, f in configs for s in CACHE_STATES]
-        for name, flags, state in tqdm(runs, desc="server starts", unit="start"):
-            row = measure_start(name, [*model, *common, *flags], root / name, state, ns, log_dir)
+        runs = [(c, s) for c in configs for s in CACHE_STATES]
+        for config, state in tqdm(runs, desc="server starts", unit="start"):
+            flags = [*model, *common, *config.server_flags()]
+            row = measure_start(config.label, flags, root / config.label, state, ns, log_dir)
+            row.update(base_config=config.name, attention=config.attention)
             if "ready_s" in row:
                 row["ready_over_import_torch"] = round(row["ready_s"] / reference_s, 2)
                 # What the start adds to the import every process with torch pays.
@@ -505,6 +609,9 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(format_table(flat, PARTS_TABLE))
     print()
+    if ns.attention_backends:
+        print(format_table(against_first_backend(rows, ns.attention_backends[0]), BACKEND_TABLE))
+        print()
     print(
         format_table(
             [
