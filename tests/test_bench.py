@@ -696,8 +696,12 @@ def test_warm_up_bursts() -> None:
     assert [[s.output_len for s in burst] for burst in plan.warmup] == [[8, 8]]  # at most its own
     assert call_plan("--max-concurrency", "2", "--no-warmup").warmup == []
     info = {"graphs": {"decode": {"buckets": [{"bucket": 4}, {"bucket": 1}]}}}
-    assert serving.decode_buckets(info) == [1, 4]
-    assert serving.decode_buckets({"graphs": {"decode": {"buckets": []}}}) == []
+    assert serving.phase_buckets(info, "decode") == [1, 4]
+    assert serving.phase_buckets(info, "prefill") == []
+    assert serving.phase_buckets({"graphs": {"decode": {"buckets": []}}}, "decode") == []
+    # Prefill captured up to 1,024 tokens, 256-token prompts: bursts of 1 to 4 as well.
+    assert serving.warmup_sizes([1, 32], [1, 8, 32], [128, 512, 1024], 256) == [1, 2, 3, 4, 8, 32]
+    assert serving.warmup_sizes([2], [], [4096], 128) == [1, 2]  # no more than a run has
 
 
 def test_serving_refuses_both_a_url_and_server_flags() -> None:

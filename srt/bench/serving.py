@@ -33,7 +33,9 @@ are the same work whatever the server's speed. At 64 output tokens, 128 requests
 prompt lengths and `--warmup-output-len` tokens: one per run, of as many requests as the run
 can have in flight, and one per decode bucket of the server (`graphs.decode.buckets` of
 `/get_server_info`) up to the largest of those, since a run's batch passes through the smaller
-buckets on its way up and down. Lazy captures and first compiles then happen before timing;
+buckets on its way up and down; where prefill has buckets, one of every count of requests
+whose prompts fit its largest together, since a run's prefill steps take however many
+arrived meanwhile. Lazy captures and first compiles then happen before timing;
 `warmup` in the JSON counts those it caused. `--no-warmup` skips it.
 
 **The load window** of a run opens when every client process is up, right before they are told
@@ -797,9 +799,10 @@ def kv_figures(info: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def decode_buckets(info: dict[str, Any]) -> list[int]:
-    """The server's decode buckets (batch sizes with a graph of their own, captured or not)."""
-    return sorted(b["bucket"] for b in nested(info, ("graphs", "decode", "buckets")) or [])
+def phase_buckets(info: dict[str, Any], phase: str) -> list[int]:
+    """The server's buckets of `phase` (decode: batch sizes, prefill: token counts) with a
+    graph of their own, captured or not."""
+    return sorted(b["bucket"] for b in nested(info, ("graphs", phase, "buckets")) or [])
 
 
 # ---- the plan of a call --------------------------------------------------------------------
@@ -862,15 +865,30 @@ def runs_in_flight(ns: argparse.Namespace) -> list[int]:
     ]
 
 
-def warmup_sizes(in_flight: Sequence[int], buckets: Sequence[int]) -> list[int]:
+def warmup_sizes(
+    in_flight: Sequence[int],
+    buckets: Sequence[int],
+    prefill_buckets: Sequence[int] = (),
+    input_len: int = 0,
+) -> list[int]:
     """The warm-up's bursts: one of each run's in-flight count, and one per decode bucket up
     to the largest of those (a run's batch passes through the smaller ones on its way up and
-    down)."""
+    down); with prefill buckets, also every count of requests up to that largest whose
+    `input_len` prompts fit the largest prefill bucket together (a run's prefill steps take
+    whichever of them arrived meanwhile, and pad to the bucket of their total)."""
     top = max(in_flight, default=0)
-    return sorted({*in_flight, *(b for b in buckets if b <= top)})
+    sizes = {*in_flight, *(b for b in buckets if b <= top)}
+    if prefill_buckets and input_len:
+        sizes.update(range(1, min(top, max(prefill_buckets) // input_len) + 1))
+    return sorted(sizes)
 
 
-def plan_call(ns: argparse.Namespace, vocab_size: int, buckets: Sequence[int]) -> CallPlan:
+def plan_call(
+    ns: argparse.Namespace,
+    vocab_size: int,
+    buckets: Sequence[int],
+    prefill_buckets: Sequence[int] = (),
+) -> CallPlan:
     """The requests of a call against a server of `vocab_size` tokens and these decode
     buckets: each run's from a seed of its own (`--seed` and its index), the warm-up's bursts
     (unless `--no-warmup`), every prompt distinct from every other (`random_requests`'s
@@ -899,7 +917,8 @@ def plan_call(ns: argparse.Namespace, vocab_size: int, buckets: Sequence[int]) -
         )
         for index, (cap, num) in enumerate(zip(ns.max_concurrency, request_counts(ns), strict=True))
     ]
-    sizes = [] if ns.no_warmup else warmup_sizes([run.in_flight for run in runs], buckets)
+    in_flight = [run.in_flight for run in runs]
+    sizes = [] if ns.no_warmup else warmup_sizes(in_flight, buckets, prefill_buckets, ns.input_len)
     output_len = min(ns.warmup_output_len, ns.output_len)
     warmup = [draw(size, output_len, f"{ns.seed}/warmup{size}") for size in sizes]
     return CallPlan(warmup, runs, prefix)
@@ -1011,7 +1030,12 @@ def bench(
 ) -> dict[str, Any]:
     """The warm-up, then every run; with what the prompts of the call share."""
     info = server_info(base_url, headers)
-    plan = plan_call(ns, int(info["model"]["vocab_size"]), decode_buckets(info))
+    plan = plan_call(
+        ns,
+        int(info["model"]["vocab_size"]),
+        phase_buckets(info, "decode"),
+        phase_buckets(info, "prefill"),
+    )
     warmup = warm_up(base_url, ns, headers, plan)
     runs = [timed_run(base_url, ns, headers, run, runner) for run in plan.runs]
     return {
