@@ -796,6 +796,7 @@ def test_cold_start_two_configurations(tiny_llama: Path, tmp_path: Path, capsys)
             assert len(parts) >= 2 and sum(parts) == pytest.approx(b[whole[0]], abs=0.01), b
         assert b["model_runner_ready_after_s"] <= b["launch_to_ready_s"]
         assert b["model_runner_load_s"] >= 0 and "model_runner_kv_alloc_s" in b
+        assert r["load_bytes"] > 0 and r["load_gb_s"] > 0
         # The second token may come in the first's event (a stream that fell behind gets
         # the tokens of several steps at once).
         assert 0 < r["ttft_first_ms"] <= r["t2t_first_ms"]
@@ -931,7 +932,7 @@ def test_hf_baseline_on_the_tiny_model(tiny_llama: Path, tmp_path: Path) -> None
     assert all(r["decode_ms_per_step"] > 0 and r["batch_size"] == 2 for r in rows.values())
     assert rows["hf-compile-reduce-overhead"]["compile_s"] > 0
     config = ModelConfig.from_path(tiny_llama)
-    model = load_model(config, torch.device("cpu"))
+    model, _ = load_model(config, torch.device("cpu"))
     embed = model.model.embed_tokens.weight
     expected = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
     assert rows["bandwidth-floor"]["weight_bytes"] == expected  # untied: no embedding table
@@ -1012,7 +1013,7 @@ def test_random_checkpoint_loads_everywhere(small_shape: str, tmp_path: Path) ->
     shards = sorted(path.glob("model-*.safetensors"))
     assert len(shards) > 1 and set(index["weight_map"].values()) == {s.name for s in shards}
     assert "lm_head.weight" not in index["weight_map"]  # tied, saved once
-    ours = load_model(ModelConfig.from_path(path), torch.device("cpu"))
+    ours, _ = load_model(ModelConfig.from_path(path), torch.device("cpu"))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     theirs_state = theirs.state_dict()
     total, seen = 0, set()

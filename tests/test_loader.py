@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,13 +16,15 @@ from torch import nn
 
 from srt import Engine
 from srt.model_config import ModelConfig, ModelLoadError
+from srt.model_executor import model_loader
 from srt.model_executor.model_loader import load_model
 
 CPU = torch.device("cpu")
 
 
 def load(path: Path, dtype: str = "auto", **kwargs) -> nn.Module:
-    return load_model(ModelConfig.from_path(path, dtype), CPU, **kwargs)
+    model, _ = load_model(ModelConfig.from_path(path, dtype), CPU, **kwargs)
+    return model
 
 
 @pytest.fixture
@@ -47,6 +51,20 @@ def edit_tensors(file: Path, edit: Callable[[dict[str, torch.Tensor]], None]) ->
 
 def state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, read by safetensors itself, one file after another."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def shard_holding(path: Path, file_name: str, suffix: str) -> str:
+    """The first tensor (by name) ending in `suffix` that the index puts in `file_name`."""
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    return min(n for n, f in weight_map.items() if f == file_name and n.endswith(suffix))
 
 
 # ---- errors ------------------------------------------------------------------------------
@@ -181,6 +199,33 @@ def test_no_weight_files(tiny_llama: Path, copy_of) -> None:
         load(path)
 
 
+def test_a_bad_shard_fails_the_load_while_the_others_read(tiny_model_factory, copy_of) -> None:
+    """The readers take the five shards' tensors at once: the one that meets the bad tensor
+    stops them all, and the load raises, naming it (no model comes back, no reader is left)."""
+    path = copy_of(tiny_model_factory("llama", num_shards=5))
+    bad = "model-00003-of-00005.safetensors"
+    name = shard_holding(path, bad, "proj.weight")
+
+    def shrink(t: dict[str, torch.Tensor]) -> None:
+        t[name] = t[name][:-1]
+
+    edit_tensors(path / bad, shrink)
+    with pytest.raises(ModelLoadError, match=f"{bad}: tensor {re.escape(name)} has shape"):
+        load(path)
+    assert not [t for t in threading.enumerate() if t.name.startswith("srt-load")]
+
+
+def test_a_tensor_in_two_shards_is_refused(tiny_model_factory, copy_of) -> None:
+    """Read at once, the two copies would race for the parameter."""
+    path = copy_of(tiny_model_factory("llama", num_shards=3))
+    first, last = "model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors"
+    name = shard_holding(path, first, "weight")
+    tensor = load_file(path / first)[name]
+    edit_tensors(path / last, lambda t: t.update({name: tensor}))
+    with pytest.raises(ModelLoadError, match=f"{last}: tensor {re.escape(name)} is in {first} too"):
+        load(path)
+
+
 @pytest.mark.parametrize("corrupt", ["truncated", "garbage header", "empty"])
 def test_corrupted_safetensors(tiny_llama: Path, copy_of, corrupt: str) -> None:
     path = copy_of(tiny_llama)
@@ -207,13 +252,48 @@ def test_sharded_equals_single_file(tiny_model_factory, tiny_llama: Path) -> Non
     assert all(torch.equal(single[k], sharded[k]) for k in single)
 
 
+def test_the_parallel_load_equals_a_sequential_read(tiny_model_factory) -> None:
+    """More shards than readers; each parameter holds the checkpoint's tensors (a packed one,
+    its parts in order), bit for bit."""
+    path = tiny_model_factory("llama", num_shards=5)
+    model = load(path)
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in checkpoint_tensors(path).items():
+        target, shard = name, 0
+        for ckpt_name, (ours, shard_id) in model.packed_modules.items():
+            if f".{ckpt_name}." in name:
+                target, shard = name.replace(f".{ckpt_name}.", f".{ours}."), shard_id
+        parts.setdefault(target, {})[shard] = tensor
+    params = dict(model.named_parameters())
+    assert params.keys() == parts.keys()
+    for name, param in params.items():
+        expected = torch.cat([parts[name][i] for i in sorted(parts[name])])
+        assert torch.equal(param.detach(), expected), name
+
+
+@pytest.mark.parametrize(
+    "options", [{"num_shards": 3}, {"tie_word_embeddings": True}], ids=["sharded", "tied"]
+)
+def test_the_load_reports_the_bytes_it_read(tiny_model_factory, options) -> None:
+    path = tiny_model_factory("llama", **options)
+    _, read = load_model(ModelConfig.from_path(path), CPU)
+    assert read == sum(t.nbytes for t in checkpoint_tensors(path).values())
+
+
 @pytest.mark.gpu
-def test_weights_load_straight_to_the_gpu(tiny_model_factory) -> None:
+@pytest.mark.parametrize("staging", [None, 1024, 128], ids=["default", "chunks", "row-by-row"])
+def test_weights_load_straight_to_the_gpu(tiny_model_factory, monkeypatch, staging) -> None:
+    """Through the pinned staging buffers: whole tensors, in many chunks, or row by row where a
+    row (256 bytes) does not fit a buffer; with a cast on the way (float16) or without."""
+    if staging is not None:
+        monkeypatch.setattr(model_loader, "_STAGING_BYTES", staging)
     path = tiny_model_factory("llama", num_shards=3)
-    on_cpu = state(load(path))
-    model = load_model(ModelConfig.from_path(path), torch.device("cuda"))
-    assert {p.device.type for p in model.parameters()} == {"cuda"}
-    assert all(torch.equal(v.cpu(), on_cpu[k]) for k, v in model.state_dict().items())
+    for dtype in ("auto", "float16"):
+        on_cpu = state(load(path, dtype))
+        model, read = load_model(ModelConfig.from_path(path, dtype), torch.device("cuda"))
+        assert {p.device.type for p in model.parameters()} == {"cuda"}
+        assert all(torch.equal(v.cpu(), on_cpu[k]) for k, v in model.state_dict().items())
+        assert read == sum(t.nbytes for t in checkpoint_tensors(path).values())
 
 
 def test_tied_embeddings_share_one_tensor(tiny_model_factory) -> None:
@@ -255,6 +335,11 @@ def test_dummy_weights_deterministic_from_seed(config_only: Path) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
     assert torch.equal(a["model.norm.weight"], torch.ones(64))
+
+
+def test_dummy_weights_read_nothing(config_only: Path) -> None:
+    _, read = load_model(ModelConfig.from_path(config_only), CPU, load_format="dummy")
+    assert read == 0
 
 
 def test_dummy_engine_serves_without_weight_files(config_only: Path) -> None:

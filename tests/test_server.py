@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from safetensors.torch import load_file
 from server_helpers import ServerProcess
 
 openai = pytest.importorskip("openai")
@@ -726,7 +728,7 @@ def test_disconnect_mid_stream_frees_kv(server: ServerProcess) -> None:
     assert server.info()["scheduler"]["kv_slots_used"] == 0
 
 
-def test_startup_breakdown(server: ServerProcess) -> None:
+def test_startup_breakdown(server: ServerProcess, tiny_llama: Path) -> None:
     info = server.info()
     procs = info["processes"]
     parts = {name: list(p["breakdown"]) for name, p in procs.items()}
@@ -762,6 +764,12 @@ def test_startup_breakdown(server: ServerProcess) -> None:
     # Spawned before the launcher's own heavy imports, which come after its start.
     assert runner["spawned_after_s"] <= procs["tokenizer"]["breakdown"]["start_s"]
     assert procs["tokenizer"]["breakdown"]["tokenizer_s"] > 0
+    # What the load read and its bandwidth, in the info and in the runner's ready line.
+    weights = load_file(tiny_llama / "model.safetensors")
+    assert info["runner"]["load_bytes"] == sum(t.nbytes for t in weights.values())
+    assert info["runner"]["load_gb_s"] > 0
+    ready = r"model_runner ready after .*; weights [\d.e-]+ GB at [\d.e-]+ GB/s;"
+    assert re.search(ready, server.log()), server.log()
 
 
 def test_server_info_and_metrics(server: ServerProcess) -> None:

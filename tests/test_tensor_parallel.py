@@ -71,17 +71,22 @@ def test_two_ranks_compiled_piecewise_give_the_same_ids(tiny_llama: Path, tmp_pa
 def test_a_rank_reads_its_region_of_a_tensor(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from srt.model_executor.model_loader import iter_checkpoint
+    from srt.model_executor.model_loader import Copier, SafetensorsTensor, open_checkpoint
 
     weight = torch.arange(48, dtype=torch.float32).reshape(6, 8)
     save_file({"w": weight}, str(tmp_path / "model.safetensors"))
-    names = []
-    for _, name, tensor in iter_checkpoint(tmp_path, torch.device("cpu")):  # the file is open
-        names.append(name)
+    with open_checkpoint(tmp_path) as files:
+        [(file, handle)] = files
+        assert list(handle.keys()) == ["w"]
+        tensor = SafetensorsTensor(file, handle, "w", Copier())
         assert tensor.shape == (6, 8)
-        assert torch.equal(tensor.read((slice(2, 4), slice(4, 8))), weight[2:4, 4:8])
-        assert torch.equal(tensor.read(), weight)
-    assert names == ["w"]
+        region = torch.empty(2, 4)
+        tensor.copy_to(region, (slice(2, 4), slice(4, 8)))
+        assert torch.equal(region, weight[2:4, 4:8])
+        assert tensor.bytes_read == region.nbytes  # only the region
+        whole = torch.empty(6, 8)
+        tensor.copy_to(whole)
+        assert torch.equal(whole, weight)
 
 
 def test_server_with_two_ranks_serves_the_same_ids_and_dies_with_a_rank(

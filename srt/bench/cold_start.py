@@ -238,6 +238,8 @@ def measure_start(
         {
             "ready_s": round(ready_s, 3),
             "breakdown": startup_breakdown(ready_s, info),
+            "load_bytes": runner.get("load_bytes"),
+            "load_gb_s": runner.get("load_gb_s"),
             "ttft_first_ms": median_ms([r.ttft_s for r in first if r.ok and r.ttft_s]),
             "ttft_later_ms": median_ms([r.ttft_s for r in later if r.ok and r.ttft_s]),
             "t2t_first_ms": median_ms(second_token_s(first)),
@@ -361,6 +363,7 @@ TABLE = [
     ("/ import torch", "ready_over_import_torch"),
     ("- import torch s", "ready_minus_import_torch_s"),
     ("load s", "model_runner_load_s"),
+    ("load GB/s", "load_gb_s"),
     ("compile s", "compile_total_s"),
     ("upfront capture s", "model_runner_capture_s"),
     ("TTFT 1st ms", "ttft_first_ms"),

@@ -143,6 +143,8 @@ class RunnerInfo:
     tp_ranks: tuple[RankInfo, ...]
     device_init_s: float  # the CUDA context and cuBLAS's handles
     load_s: float
+    load_bytes: int  # checkpoint bytes read into this rank's parameters (0: dummy weights)
+    load_gb_s: float | None  # load_bytes / load_s, in GB (1e9 bytes) a second; None: dummy
     custom_ops_s: float  # the layer kernels' selection and import
     kv_alloc_s: float
     warmup_s: float  # FlashInfer's JIT builds left out (flashinfer_jit)

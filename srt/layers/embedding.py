@@ -30,7 +30,7 @@ class _VocabRows(nn.Module):
         param.data[real:].zero_()
         if real:
             rows = slice(self.shard.start, self.shard.start + real)
-            param.data[:real].copy_(source.read((rows, slice(None))))
+            source.copy_to(param.data[:real], (rows, slice(None)))
 
 
 class VocabEmbedding(_VocabRows):

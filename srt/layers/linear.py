@@ -23,12 +23,13 @@ class LinearShapeError(ValueError):
 
 
 class CheckpointTensor(Protocol):
-    """A checkpoint tensor not read yet: its full shape, and a read of one region."""
+    """A checkpoint tensor not read yet: its full shape, and a copy of one region (all of it by
+    default) into `dest`, a part of a parameter of the region's shape."""
 
     @property
     def shape(self) -> tuple[int, ...]: ...
 
-    def read(self, index: tuple[slice, ...] = ()) -> torch.Tensor: ...
+    def copy_to(self, dest: torch.Tensor, index: tuple[slice, ...] = ()) -> None: ...
 
 
 def check_shape(source: CheckpointTensor, expected: tuple[int, ...]) -> None:
@@ -77,7 +78,7 @@ class Linear(nn.Module):
             check_shape(source, (self.output_sizes[shard], self.input_size))
             index = (out.slice, self.in_shard.slice)
         start = sum(s.size for s in self.out_shards[:shard])
-        param.data.narrow(0, start, out.size).copy_(source.read(index))
+        source.copy_to(param.data.narrow(0, start, out.size), index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

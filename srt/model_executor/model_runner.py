@@ -139,8 +139,18 @@ class ModelRunner:
             init_cuda(self.device, self.config.dtype)
 
     def _load_model(self) -> None:
-        self.model = load_model(self.config, self.device, self.args.load_format, self.args.seed)
+        self.model, self.load_bytes = load_model(
+            self.config, self.device, self.args.load_format, self.args.seed
+        )
         logger.info("loaded %s (%s)", self.config.architecture, self.config.dtype)
+
+    def _load_gb_s(self) -> float | None:
+        """The load's bandwidth, to 3 significant figures (a tiny model's is a small fraction
+        of a GB/s): over the whole of load_s, the model's construction on the device (a few
+        milliseconds) in it. No figure for dummy weights, which read nothing."""
+        if not self.load_bytes:
+            return None
+        return float(f"{self.load_bytes / self.load_s / 1e9:.3g}")
 
     def _select_custom_ops(self) -> None:
         self.custom_ops = select_custom_ops(self.model, self.args, self.device)
@@ -303,6 +313,8 @@ class ModelRunner:
             tp_ranks=tuple(self.ranks),
             device_init_s=round(self.device_init_s, 3),
             load_s=round(self.load_s, 3),
+            load_bytes=self.load_bytes,
+            load_gb_s=self._load_gb_s(),
             custom_ops_s=round(self.custom_ops_s, 3),
             kv_alloc_s=round(self.kv_alloc_s, 3),
             warmup_s=round(self.warmup_s, 3),
