@@ -12,11 +12,20 @@ Each check raises `ServerArgsError` naming `--attention-backend`: the flags and 
 package (`ServerArgs.check`), the model's head size once its config is read
 (`ServerArgs.check_model`), the device once the runner has it, before the weights load
 (`FlashInferBackend.check_device`).
+
+The import itself takes about a second even when every kernel module is built (its own
+modules, TVM FFI's libraries, torch's C++ extension helpers, the CUDA query): the model runner
+starts it on a thread (`start_import`) before it initialises the device and loads the
+weights, which spend most of their time outside the interpreter, and the backend takes the
+module from there (`module`).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import ModuleType
 
 from srt.errors import ServerArgsError
 
@@ -24,6 +33,32 @@ DISTRIBUTION = "flashinfer-python"
 TESTED_VERSION = "0.5.3"
 HEAD_SIZES = (64, 128, 256)
 MIN_CAPABILITY = (8, 0)
+
+
+_importing: Future[ModuleType] | None = None
+
+
+def start_import() -> None:
+    """Begin `import flashinfer` on a thread of its own (once; nothing if not installed)."""
+    global _importing
+    if _importing is None and installed():
+        pool = ThreadPoolExecutor(1, thread_name_prefix="srt-flashinfer-import")
+        _importing = pool.submit(importlib.import_module, "flashinfer")
+        pool.shutdown(wait=False)  # its one job is queued; the thread ends with it
+
+
+def module() -> ModuleType:
+    """The flashinfer package: the import `start_import` began, waited for, or one now.
+    ImportError naming the flag where it is not installed."""
+    try:
+        if _importing is not None:
+            return _importing.result()
+        return importlib.import_module("flashinfer")
+    except ImportError as e:
+        raise ImportError(
+            "--attention-backend flashinfer needs the flashinfer-python package "
+            "(pip install 'srt[flashinfer]'); or choose --attention-backend triton"
+        ) from e
 
 
 def installed() -> bool:

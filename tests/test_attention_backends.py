@@ -424,6 +424,26 @@ def test_flashinfer_missing_names_the_flag() -> None:
         create_attention_backend("flashinfer", 8, 2, 64)
 
 
+def test_flashinfer_imports_on_a_thread_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner starts FlashInfer's import before the device and the weights; the backend
+    takes the module from it (a stand-in package here, which notes where it was imported)."""
+    package = tmp_path / "flashinfer"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "import threading\nimported_on = threading.current_thread().name\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    monkeypatch.setattr(flashinfer_support, "_importing", None)
+    flashinfer_support.start_import()
+    module = flashinfer_support.module()
+    assert module.imported_on.startswith("srt-flashinfer-import")
+    assert flashinfer_support.module() is module
+    monkeypatch.delitem(sys.modules, "flashinfer")
+
+
 def test_flashinfer_missing_is_refused_with_the_flags() -> None:
     if flashinfer_support.installed():
         pytest.skip("flashinfer is installed")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from srt import flashinfer_support
 from srt.compilation.cache_root import default_cache_root, open_cache_root, point_tool_caches
 from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
@@ -80,6 +81,11 @@ class ModelRunner:
         # its variable then), with graphs or without: a restart finds what its warm-up JIT-ed.
         self.cache_root = open_cache_root(Path(args.compile_cache_dir or default_cache_root()))
         point_tool_caches(self.cache_root)
+        self.attention_backend_name = attention_backend_name(args, self.device.type)
+        if self.attention_backend_name == "flashinfer":
+            # Its import (a second) on a thread, beside the device's start and the weight
+            # load, which spend their time outside the interpreter; waited for after the load.
+            flashinfer_support.start_import()
         self.device_init_s = timed(self._init_device)
         init_tp(self.tp, self.device)  # before the model: its layers take their shards
         # The heads this rank holds: its attention backend and KV cache see only those.
@@ -89,7 +95,6 @@ class ModelRunner:
             num_kv_heads=kv_head_shard(config.num_kv_heads).size,
         )
         torch.manual_seed(args.seed)
-        self.attention_backend_name = attention_backend_name(args, self.device.type)
         attn_cls = attention_backend_class(self.attention_backend_name)
         attn_cls.check_device(self.device)  # fail before loading
         self.attention_kernels = attn_cls.kernel_versions()
@@ -97,6 +102,9 @@ class ModelRunner:
             args, self.device.type, attn_cls.graph_modes
         )
         self.load_s = timed(self._load_model)
+        if self.attention_backend_name == "flashinfer":
+            # Before anything else imports: the custom ops' kernels import Triton, as may it.
+            flashinfer_support.module()
         self.custom_ops_s = timed(self._select_custom_ops)  # with the kernels' import of triton
         self.kv_alloc_s = timed(self._allocate_kv)
         self.attn_backend = attn_cls(

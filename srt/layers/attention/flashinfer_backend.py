@@ -50,6 +50,7 @@ table row 0) and their rows are zeroed.
 from __future__ import annotations
 
 import enum
+import importlib.metadata
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,19 +59,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from srt import flashinfer_support
 from srt.batch_layout import ForwardMode
 from srt.flashinfer_support import check_flashinfer
 from srt.forward_batch import ForwardBatch
 from srt.layers.attention.base import AttentionBackend, AttentionInputs
 from srt.layers.attention.triton_ops.kv_indices import kv_indices
-
-try:
-    import flashinfer
-except ImportError as e:
-    raise ImportError(
-        "--attention-backend flashinfer needs the flashinfer-python package "
-        "(pip install 'srt[flashinfer]'); or choose --attention-backend triton"
-    ) from e
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +152,7 @@ class DecodePages:
                 self.indptr_host, indices, self.last_page_len_host, *heads, **p.plan_kwargs()
             )
         else:
-            flashinfer.fast_decode_plan(
+            flashinfer_support.module().fast_decode_plan(
                 wrapper,
                 self.indptr,
                 self.indices,
@@ -246,11 +240,15 @@ class FlashInferBackend(AttentionBackend):
         self.max_bs = 0  # captured decode
         self.graph: GraphBuffers | None = None
         self.graph_wrappers: dict[int, PlannedWrapper] = {}
+        # The package, imported here or on the thread the runner started it on (see
+        # srt.flashinfer_support): the class itself, which the runner checks the device and
+        # graph modes with before the weights load, needs none of it.
+        self.fi = flashinfer_support.module()
         # Where FlashInfer put its JIT directory when it was imported (a module constant).
         logger.info(
             "flashinfer %s: kernels JIT-compile into %s",
-            flashinfer.__version__,
-            flashinfer.jit.env.FLASHINFER_JIT_DIR,
+            self.fi.__version__,
+            self.fi.jit.env.FLASHINFER_JIT_DIR,
         )
 
     @classmethod
@@ -260,7 +258,9 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def kernel_versions(cls) -> dict[str, str]:
-        return {"flashinfer": flashinfer.__version__}
+        # The installed distribution's, read without importing it (the same as its
+        # __version__: the package takes it from there).
+        return {"flashinfer": importlib.metadata.version(flashinfer_support.DISTRIBUTION)}
 
     def _workspace(self, device: torch.device) -> torch.Tensor:
         if self.workspace is None:
@@ -278,12 +278,12 @@ class FlashInferBackend(AttentionBackend):
 
     def _make_wrapper(self, kind: StepKind, workspace: torch.Tensor) -> Any:
         if kind is StepKind.DECODE:
-            return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            return self.fi.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend="fa2"
             )
         if kind is StepKind.RAGGED:
-            return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
-        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+            return self.fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        return self.fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
 
     def _prepare(self, step: FlashInferStep) -> FlashInferStep:
         """Plan `step` now where the precision is known (else its first layer will)."""
@@ -410,7 +410,7 @@ class FlashInferBackend(AttentionBackend):
         wrapper = self.graph_wrappers.get(bucket)
         if wrapper is None:
             wrapper = self.graph_wrappers[bucket] = PlannedWrapper(
-                flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.fi.BatchDecodeWithPagedKVCacheWrapper(
                     self._workspace(device),
                     "NHD",
                     use_cuda_graph=True,
