@@ -281,6 +281,9 @@ def test_serving_against_a_running_server(
         timeline = run["timeline"]  # where the server's step time went, per process
         assert timeline["scheduler"]["steps"] > 0 and timeline["runner"]["period_ms"] > 0
         assert "received_to_routed" in timeline["tokenizer"]["gaps_ms"]
+        # The time to first token in the server: no more than the client saw.
+        server_ttft = timeline["tokenizer_requests"]["gaps_ms"]["sent_to_first_token"]
+        assert 0 < server_ttft < run["ttft_ms"]["p99"]
         # Every request was prefilled in some extend step and decoded in decode steps.
         assert timeline["scheduler"]["kinds"]["extend"]["steps"] >= 1
         batch = timeline["scheduler"]["kinds"]["decode"]["requests_mean"]

@@ -791,6 +791,12 @@ def test_server_info_and_metrics(server: ServerProcess) -> None:
         info["runner"]["timeline"]["gaps_ms"]
     )
     assert info["tokenizer"]["timeline"]["gaps_ms"]["received_to_routed"] >= 0
+    # Each generate call's own marks: sent to the scheduler, its first token, its end.
+    requests = info["tokenizer"]["requests"]
+    assert requests["window_steps"] > 0
+    gaps = requests["gaps_ms"]
+    assert {"arrived_to_sent", "sent_to_first_token", "first_token_to_finished"} <= set(gaps)
+    assert all(gap >= 0 for gap in gaps.values()), gaps
     # A window from a moment on: no step has begun since this answer's clock.
     later = httpx.get(
         f"{server.url}/get_server_info",

@@ -50,7 +50,10 @@ both ends. Over that window:
 - `timeline`: each process's step timeline over the steps begun in the window (of a window of
   more steps than a timeline keeps, 1024, the last); `decode bs` is the scheduler's mean decode
   batch (`kinds.decode.requests_mean`), `extend steps` and `extend time %` its prefill steps
-  and their share of the step time;
+  and their share of the step time; `tokenizer_requests` the answering tokenizer worker's
+  requests begun in the window, as a timeline of their marks (arrived, sent to the
+  scheduler, first token back, finished), whose `sent_to_first_token` median is the `TTFT in
+  server` column: the time to first token less the HTTP stack's and the client's;
 - `captures_in_window`, `jit_misses_in_window`: the CUDA graphs the runner captured and its JIT
   compiles after ready (`runner.graph_pool.captures`, `runner.jit_misses.count`): a figure paid
   for one of them is not the steady state's. `cached_tokens_in_window`: prompt tokens the prefix
@@ -781,7 +784,11 @@ def window_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
         cpu_busy["tokenizer_workers_total"] = round(sum(workers.values()), 3)
     return {
         "server_window_s": round(wall, 3),
-        "timeline": {proc: after[proc].get("timeline") for proc in PROCESSES},
+        "timeline": {
+            **{proc: after[proc].get("timeline") for proc in PROCESSES},
+            # The answering tokenizer worker's requests, begun in the window (srt.timeline).
+            "tokenizer_requests": after["tokenizer"].get("requests"),
+        },
         "cpu_busy": cpu_busy,
         "captures_in_window": growth(before, after, *CAPTURES),
         "jit_misses_in_window": growth(before, after, *JIT_MISSES),
@@ -1067,6 +1074,9 @@ TABLE = [
     ("steady of ceiling", "steady_of_ceiling"),
     ("TTFT p50", "ttft_p50"),
     ("TTFT p99", "ttft_p99"),
+    # From the request sent to the scheduler to its first token back in the tokenizer
+    # process (the answering worker's requests): TTFT less the HTTP stack and the client.
+    ("TTFT in server p50", "server_first_token_p50"),
     ("TPOT p50", "tpot_p50"),
     ("steady TPOT p50", "steady_tpot_p50"),
     ("ITL/event p50", "itl_p50"),
@@ -1097,6 +1107,7 @@ def table_row(run: dict[str, Any]) -> dict[str, Any]:
     """A run's row of the printed table (latencies in ms); the figures an older results file
     lacks are left empty."""
     sched = (run.get("timeline") or {}).get("scheduler")
+    request_gaps = ((run.get("timeline") or {}).get("tokenizer_requests") or {}).get("gaps_ms")
     extend, decode = step_kind(sched, "extend"), step_kind(sched, "decode")
     total = extend.get("ms_total", 0.0) + decode.get("ms_total", 0.0)
     steady = run.get("steady") or {}
@@ -1107,6 +1118,7 @@ def table_row(run: dict[str, Any]) -> dict[str, Any]:
         "steady_output_throughput": steady.get("output_throughput"),
         "steady_of_ceiling": steady.get("of_ceiling"),
         "steady_tpot_p50": (steady.get("tpot_ms") or {}).get("p50"),
+        "server_first_token_p50": (request_gaps or {}).get("sent_to_first_token"),
         "decode_bs": decode.get("requests_mean"),
         "extend_steps": extend.get("steps"),
         "extend_share": round(100 * extend.get("ms_total", 0.0) / total, 1) if total else None,

@@ -121,6 +121,10 @@ class TokenizerManager:
         self.info_ids = itertools.count()
         # Per step's outputs: received, routed to the sequences' queues.
         self.timeline = StepTimeline(("received", "routed"))
+        # Per `generate` call, from its start (the request prepared) to its sequences sent to
+        # the scheduler, their first token here and their end: what of the time to first
+        # token the server spends, apart from the HTTP stack and the client.
+        self.requests = StepTimeline(("arrived", "sent", "first_token", "finished"))
 
     def load_tokenizer(self) -> None:
         """Load the tokenizer (seconds, with transformers' import): the launcher does it while
@@ -240,6 +244,8 @@ class TokenizerManager:
         """Run prepared sequences; yield each step's update until every one has finished."""
         self.check_ready()
         arrival = time.perf_counter()
+        self.requests.begin()
+        call = self.requests.steps
         mailbox = Mailbox()
         base = uuid.uuid4().hex
         rids = [f"{base}-{i}" for i in range(len(seqs))]
@@ -254,6 +260,7 @@ class TokenizerManager:
             req = GenerateReq(rid, seq.input_ids, seq.params, True, self.worker)
             self.to_scheduler.send(req)
             self.metrics.prompt_tokens.inc(len(seq.input_ids))
+        self.requests.mark("sent", call)
         try:
             while pending:
                 # Everything that has arrived, one update per sequence.
@@ -267,14 +274,19 @@ class TokenizerManager:
                     update, abort = decoders[out.rid].update(out)
                     now = time.perf_counter()
                     if update.token_ids:
+                        first = not last_seen
                         self.metrics.observe_tokens(
                             len(update.token_ids),
                             now - last_seen.get(out.rid, arrival),
                             first=out.rid not in last_seen,
                         )
                         last_seen[out.rid] = now
+                        if first:
+                            self.requests.mark("first_token", call)
                     if update.finish_reason is not None:
                         pending.discard(out.rid)
+                        if not pending:
+                            self.requests.mark("finished", call)
                         self.seq_mailboxes.pop(out.rid, None)
                         self.metrics.observe_finish(update.finish_reason, now - arrival)
                         if abort:  # a stop string: the scheduler, seeing only ids, runs it on

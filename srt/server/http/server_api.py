@@ -81,6 +81,9 @@ def server_router(manager: TokenizerManager) -> APIRouter:
             },
             "tokenizer": {
                 "timeline": jsonable(manager.timeline.summary(timeline_since)),
+                # Its requests' marks (arrived, sent, first token, finished) as a timeline of
+                # calls begun in the window: median milliseconds between them.
+                "requests": jsonable(manager.requests.summary(timeline_since)),
                 "worker": manager.worker,  # the tokenizer worker that answered
                 "workers_cpu_s": tokenizer_workers_cpu_s(manager),
             },
