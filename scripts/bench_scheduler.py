@@ -10,11 +10,10 @@ step planned, run and processed in turn), outputs every `--stream-interval` toke
 column is a median over the timed decode steps:
 
 - plan ms: `Scheduler.schedule` (the timeline's start_to_planned);
-- process ms: `Scheduler.process_result` of the oldest step in flight (with the send, the
-  timeline's received_to_outputs_sent);
-- pack ms: `StepOutputs.pack` of the step's outputs alone;
-- out 1w / out 2w ms: `OutputRoutes.send_outputs` to one or two tokenizer workers (pack and
-  the zmq send, requests spread over the workers in turn);
+- process ms: `Scheduler.process_result` of the oldest step in flight, which builds the
+  step's `StepOutputs` (with the send, the timeline's received_to_outputs_sent);
+- out 1w / out 2w ms: `OutputRoutes.send_outputs` to one or two tokenizer workers (the zmq
+  send; with two, the split by worker, requests spread over the workers in turn);
 - total ms: plan + process + out 1w, what the loop pays per step with one worker.
 """
 
@@ -31,7 +30,7 @@ import numpy as np
 import zmq
 
 from srt.ipc.channels import Endpoints, Receiver, Sender, dumps, loads, to_tokenizer
-from srt.ipc.messages import BatchPlan, BatchResult, GenerateReq, StepOutputs
+from srt.ipc.messages import BatchPlan, BatchResult, GenerateReq
 from srt.sampling_params import SamplingParams
 from srt.scheduler.scheduler import Scheduler
 from srt.scheduler.scheduler_process import OutputRoutes
@@ -40,7 +39,7 @@ from srt.server_args import ServerArgs
 VOCAB = 32000
 EOS = 2
 T = TypeVar("T")
-COLUMNS = ("plan_ms", "process_ms", "pack_ms", "out_1w_ms", "out_2w_ms", "total_ms")
+COLUMNS = ("plan_ms", "process_ms", "out_1w_ms", "out_2w_ms", "total_ms")
 
 
 class Workers:
@@ -117,11 +116,11 @@ def bench(ns: argparse.Namespace, requests: int, ctx: zmq.Context) -> dict[str, 
             marks.clear()
             start = time.perf_counter()
             if ns.overlap_depth:
-                outputs = sched.step_overlapped(launch) or []
+                outputs = sched.step_overlapped(launch)
+                assert outputs is not None, "the requests never finish"
             else:
                 outputs = sched.step(forward)
             end = time.perf_counter()
-            pack = _timed(StepOutputs.pack, outputs)
             out_1w = _timed(one.routes.send_outputs, outputs)
             out_2w = _timed(two.routes.send_outputs, outputs)
             one.drain()
@@ -132,7 +131,6 @@ def bench(ns: argparse.Namespace, requests: int, ctx: zmq.Context) -> dict[str, 
             plan, process = marks["planned"] - start, end - marks["received"]
             times["plan_ms"].append(plan)
             times["process_ms"].append(process)
-            times["pack_ms"].append(pack)
             times["out_1w_ms"].append(out_1w)
             times["out_2w_ms"].append(out_2w)
             times["total_ms"].append(plan + process + out_1w)
