@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from scheduler_helpers import (
     VOCAB,
@@ -19,6 +20,7 @@ from scheduler_helpers import (
 from srt.ipc.channels import dumps, loads
 from srt.ipc.messages import FlushCacheOutput, GenerateReq, Replies, StepOutputs, TokenOutput
 from srt.sampling_params import SamplingParams
+from srt.scheduler.req import Req
 from srt.scheduler.scheduler_process import OutputRoutes, SchedulerLoop
 
 
@@ -336,3 +338,11 @@ def test_stream_interval_sends_fewer_larger_outputs(overlap: int) -> None:
         assert all(c == 3 for c in chunks[rid][1:-1]) and 1 <= chunks[rid][-1] <= 3
     assert chunks["r4"] == [1, 3, 3, 3]
     assert_no_leak(sched)
+
+
+def test_slots_added_one_at_a_time_survive_the_buffer_growing() -> None:
+    req = Req("a", [1], SamplingParams(), 0)
+    req.add_slots(np.arange(3, dtype=np.int32))
+    for slot in range(3, 300):  # past 64, 128, 256: the buffer is replaced each time
+        req.add_slot(slot)
+    assert req.slots.tolist() == list(range(300))

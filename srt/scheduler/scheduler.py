@@ -222,10 +222,11 @@ class Scheduler:
     def _commit(self, req: Req, extend: int) -> bool:
         """Commit a planned step's effect on a request: whether the step samples a token for
         it (it does once the prompt is planned in full)."""
-        was_prefilling = not req.prompt_done
+        prompt_len = len(req.input_ids)
+        was_prefilling = req.kv_len < prompt_len
         req.kv_len += extend
         req.steps_in_flight += 1
-        if not req.prompt_done:
+        if req.kv_len < prompt_len:
             return False
         if req.max_new_tokens > 0:
             req.pending_outputs += 1
