@@ -82,7 +82,7 @@ class Engine:
             for rid, seq in zip(rids, seqs, strict=True):
                 self.scheduler.add_request(GenerateReq(rid, seq.input_ids, seq.params))
             while running:
-                for out in self.scheduler.step(self.runner.forward):
+                for out in self.scheduler.step(self.runner.forward).unpack():
                     if out.rid not in running:
                         continue
                     update, abort = decoders[out.rid].update(out)

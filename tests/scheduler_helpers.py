@@ -107,8 +107,9 @@ def step(sched: Scheduler, runner: FakeRunner, overlap: int) -> list[TokenOutput
     """One step of the scheduler loop, overlapped `overlap` steps deep (0: not at all)."""
     if overlap:
         sched.overlap_depth = overlap
-        return sched.step_overlapped(runner.launch) or []
-    return sched.step(runner.forward)
+        outputs = sched.step_overlapped(runner.launch)
+        return outputs.unpack() if outputs is not None else []
+    return sched.step(runner.forward).unpack()
 
 
 def run_all(

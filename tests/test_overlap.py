@@ -72,11 +72,9 @@ def drive(engine: Engine, jobs: dict[str, Job], overlap: int) -> dict[str, Strea
         if not unsent and not sched.has_work:
             break
         outputs = (
-            (sched.step_overlapped(launch) or [])
-            if overlap
-            else sched.step(launch_sync(runner, plans))
+            sched.step_overlapped(launch) if overlap else sched.step(launch_sync(runner, plans))
         )
-        for out in outputs:
+        for out in outputs.unpack() if outputs is not None else []:
             s = streams[out.rid]
             assert s.reason is None, f"{out.rid}: an output after its end"
             s.ids += out.new_token_ids

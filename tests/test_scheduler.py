@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from scheduler_helpers import (
     VOCAB,
@@ -16,8 +17,10 @@ from scheduler_helpers import (
     step,
 )
 
-from srt.ipc.messages import FlushCacheOutput, GenerateReq, Replies, TokenOutput
+from srt.ipc.channels import dumps, loads
+from srt.ipc.messages import FlushCacheOutput, GenerateReq, Replies, StepOutputs, TokenOutput
 from srt.sampling_params import SamplingParams
+from srt.scheduler.req import Req
 from srt.scheduler.scheduler_process import OutputRoutes, SchedulerLoop
 
 
@@ -181,7 +184,7 @@ def test_abort_frees_everything(prefix_caching: bool, overlap: int) -> None:
         assert sched.in_flight
         assert set(sched.reqs) == {r.rid for step, _ in sched.in_flight for r in step.reqs}
         assert not sched.flush_cache()
-        assert sched.drain() == []  # its tokens are dropped
+        assert sched.drain().unpack() == []  # its tokens are dropped
     assert_no_leak(sched)
     assert sched.flush_cache()
     assert sched.kv.allocator.available == sched.kv.allocator.capacity
@@ -245,7 +248,7 @@ def test_a_bad_request_is_finished_with_an_error_and_the_others_go_on() -> None:
     assert loop._handle(GenerateReq("after", good, SamplingParams(max_new_tokens=6))) is None
     ids: dict[str, list[int]] = {"before": [], "after": []}
     while sched.has_work:
-        for out in sched.step(runner.forward):
+        for out in sched.step(runner.forward).unpack():
             ids[out.rid] += out.new_token_ids
     assert ids == {"before": reference(good, 6), "after": reference(good, 6)}
     assert_no_leak(sched)
@@ -266,10 +269,16 @@ def test_outputs_go_to_the_tokenizer_worker_that_sent_the_request() -> None:
     routes.admit("b", 1)
     routes.admit("c", 1)
     routes.send_outputs(
-        [TokenOutput("a", [1]), TokenOutput("b", [2], "length"), TokenOutput("c", [3])]
+        StepOutputs.pack(
+            [TokenOutput("a", [1]), TokenOutput("b", [2, 4], "length"), TokenOutput("c", [3])]
+        )
     )
     assert [m.rids for m in outboxes[0].sent] == [["a"]]
     assert [m.rids for m in outboxes[1].sent] == [["b", "c"]]
+    assert outboxes[1].sent[0].unpack() == [
+        TokenOutput("b", [2, 4], "length"),
+        TokenOutput("c", [3]),
+    ]
     assert routes.worker_of == {"a": 0, "c": 1}  # a finished request is forgotten
     routes.forget("c")  # aborted: its answer is a reply
     routes.send_replies({1: [TokenOutput("c", [], "abort")], 0: [FlushCacheOutput(True)]})
@@ -279,8 +288,27 @@ def test_outputs_go_to_the_tokenizer_worker_that_sent_the_request() -> None:
     # One worker: everything to it, nothing recorded.
     single = OutputRoutes([_Outbox()])  # type: ignore[list-item]
     single.admit("x", 0)
-    single.send_outputs([TokenOutput("x", [1])])
+    single.send_outputs(StepOutputs.pack([TokenOutput("x", [1])]))
     assert single.worker_of == {} and len(single.senders[0].sent) == 1  # type: ignore[attr-defined]
+
+
+def test_outputs_split_by_worker_keep_every_field() -> None:
+    """Two workers: each gets its requests' outputs, tokens, logprobs and top logprobs with
+    them, as one worker would get them all."""
+    outputs = [
+        TokenOutput("a", [1, 2], None, None, 4, 2, 1, [-0.5, -1.0], [[(1, -0.5)], [(2, -1.0)]]),
+        TokenOutput("b", [3], "stop", 3, 5, 7, 0),
+        TokenOutput("c", [], "length", None, 6, 9, 2),
+        TokenOutput("d", [4, 5, 6], None, None, 2, 3, 0, [-1.5, -2.0, -2.5]),
+    ]
+    outboxes = [_Outbox(), _Outbox()]
+    routes = OutputRoutes(outboxes)  # type: ignore[arg-type]
+    for rid, worker in zip("abcd", [1, 0, 1, 0], strict=True):
+        routes.admit(rid, worker)
+    routes.send_outputs(loads(dumps(StepOutputs.pack(outputs))))
+    got = [loads(dumps(m)).unpack() for box in outboxes for m in box.sent]
+    assert got == [[outputs[1], outputs[3]], [outputs[0], outputs[2]]]
+    assert routes.worker_of == {"a": 1, "d": 0}
 
 
 @pytest.mark.parametrize("overlap", [0, 2])
@@ -310,3 +338,11 @@ def test_stream_interval_sends_fewer_larger_outputs(overlap: int) -> None:
         assert all(c == 3 for c in chunks[rid][1:-1]) and 1 <= chunks[rid][-1] <= 3
     assert chunks["r4"] == [1, 3, 3, 3]
     assert_no_leak(sched)
+
+
+def test_slots_added_one_at_a_time_survive_the_buffer_growing() -> None:
+    req = Req("a", [1], SamplingParams(), 0)
+    req.add_slots(np.arange(3, dtype=np.int32))
+    for slot in range(3, 300):  # past 64, 128, 256: the buffer is replaced each time
+        req.add_slot(slot)
+    assert req.slots.tolist() == list(range(300))

@@ -17,6 +17,7 @@ that worker alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress
 
 import numpy as np
 
@@ -194,47 +195,44 @@ class StepOutputs(PackedArrays, ToTokenizer):
 
     @classmethod
     def pack(cls, outputs: list[TokenOutput]) -> StepOutputs:
-        counts = np.fromiter((len(o.new_token_ids) for o in outputs), np.int32, len(outputs))
-        n = int(counts.sum())
-        token_ids = np.fromiter((t for o in outputs for t in o.new_token_ids), np.int32, n)
-        logprobs = np.zeros(0, np.float32)
-        has_logprobs = np.fromiter((bool(o.logprobs) for o in outputs), bool, len(outputs))
-        if has_logprobs.any():
-            logprobs = np.zeros(n, np.float32)
-            start = 0
-            for o, c in zip(outputs, counts.tolist(), strict=True):
-                logprobs[start : start + len(o.logprobs)] = o.logprobs
-                start += c
-        top_counts = np.fromiter(
-            (len(o.top_logprobs[0]) if o.top_logprobs else 0 for o in outputs),
-            np.int32,
-            len(outputs),
-        )
-        k = int(top_counts.max()) if len(outputs) else 0
-        top_ids, top_vals = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
-        if k:
-            start = 0
-            for o, c in zip(outputs, counts.tolist(), strict=True):
-                for j, row in enumerate(o.top_logprobs):
-                    for col, (t, v) in enumerate(row):
-                        top_ids[start + j, col], top_vals[start + j, col] = t, v
-                start += c
-        return cls(
-            rids=[o.rid for o in outputs],
-            counts=counts,
-            token_ids=token_ids,
-            finished_reasons=[o.finished_reason for o in outputs],
-            matched_stops=[o.matched_stop for o in outputs],
-            lengths=np.array(
-                [(o.prompt_tokens, o.completion_tokens, o.cached_tokens) for o in outputs],
-                np.int32,
-            ).reshape(-1, 3),
-            logprobs=logprobs,
-            has_logprobs=has_logprobs,
-            top_counts=top_counts,
-            top_ids=top_ids,
-            top_vals=top_vals,
-            errors=[o.error for o in outputs],
+        packed = StepOutputsBuilder()
+        for o in outputs:
+            packed.add(
+                o.rid,
+                o.new_token_ids,
+                o.finished_reason,
+                o.matched_stop,
+                o.prompt_tokens,
+                o.completion_tokens,
+                o.cached_tokens,
+                o.logprobs,
+                o.top_logprobs,
+                o.error,
+            )
+        return packed.build()
+
+    def __len__(self) -> int:
+        """How many requests' outputs it carries."""
+        return len(self.rids)
+
+    def take(self, rows: np.ndarray) -> StepOutputs:
+        """The outputs of the requests where the bool mask `rows` holds, in order: their own
+        message (one per tokenizer worker)."""
+        keep = rows.tolist()
+        tokens = np.repeat(rows, self.counts)
+        return StepOutputs(
+            rids=list(compress(self.rids, keep)),
+            counts=self.counts[rows],
+            token_ids=self.token_ids[tokens],
+            finished_reasons=list(compress(self.finished_reasons, keep)),
+            matched_stops=list(compress(self.matched_stops, keep)),
+            lengths=self.lengths[rows],
+            logprobs=self.logprobs[tokens] if len(self.logprobs) else self.logprobs,
+            has_logprobs=self.has_logprobs[rows],
+            top_counts=self.top_counts[rows],
+            top_ids=self.top_ids[tokens],
+            top_vals=self.top_vals[tokens],
+            errors=list(compress(self.errors, keep)),
         )
 
     def unpack(self) -> list[TokenOutput]:
@@ -270,6 +268,80 @@ class StepOutputs(PackedArrays, ToTokenizer):
             )
             start = end
         return out
+
+
+class StepOutputsBuilder:
+    """A step's `StepOutputs`, built column by column as each request's output is added: the
+    scheduler adds its requests' outputs here as it processes a step's sampled ids, so that no
+    `TokenOutput` per request per step is made only to be packed (`StepOutputs.pack` builds
+    through it too). `add` takes a `TokenOutput`'s fields, in their order."""
+
+    def __init__(self) -> None:
+        self.rids: list[str] = []
+        self.counts: list[int] = []
+        self.token_ids: list[int] = []
+        self.finished_reasons: list[str | None] = []
+        self.matched_stops: list[int | str | None] = []
+        self.lengths: list[int] = []  # prompt, completion and cached tokens, flat
+        self.errors: list[str | None] = []
+        # (row, its first token, logprobs, top logprobs) of the few requests that asked for
+        # logprobs: filled in at `build`, so that the others cost nothing for them.
+        self.with_logprobs: list[tuple[int, int, list[float], list[list[tuple[int, float]]]]] = []
+
+    def add(
+        self,
+        rid: str,
+        new_token_ids: list[int],
+        finished_reason: str | None = None,
+        matched_stop: int | str | None = None,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        cached_tokens: int = 0,
+        logprobs: list[float] | None = None,
+        top_logprobs: list[list[tuple[int, float]]] | None = None,
+        error: str | None = None,
+    ) -> None:
+        if logprobs or top_logprobs:
+            self.with_logprobs.append(
+                (len(self.rids), len(self.token_ids), logprobs or [], top_logprobs or [])
+            )
+        self.rids.append(rid)
+        self.counts.append(len(new_token_ids))
+        self.token_ids += new_token_ids
+        self.finished_reasons.append(finished_reason)
+        self.matched_stops.append(matched_stop)
+        self.lengths += (prompt_tokens, completion_tokens, cached_tokens)
+        self.errors.append(error)
+
+    def build(self) -> StepOutputs:
+        r, n = len(self.rids), len(self.token_ids)
+        has_logprobs = np.zeros(r, bool)
+        top_counts = np.zeros(r, np.int32)
+        for row, _, lps, top in self.with_logprobs:
+            has_logprobs[row] = bool(lps)
+            top_counts[row] = len(top[0]) if top else 0
+        logprobs = np.zeros(n if has_logprobs.any() else 0, np.float32)
+        k = int(top_counts.max()) if r else 0
+        top_ids, top_vals = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
+        for _, start, lps, top in self.with_logprobs:
+            logprobs[start : start + len(lps)] = lps
+            for j, pairs in enumerate(top):
+                for col, (t, v) in enumerate(pairs):
+                    top_ids[start + j, col], top_vals[start + j, col] = t, v
+        return StepOutputs(
+            rids=self.rids,
+            counts=np.array(self.counts, np.int32),
+            token_ids=np.array(self.token_ids, np.int32),
+            finished_reasons=self.finished_reasons,
+            matched_stops=self.matched_stops,
+            lengths=np.array(self.lengths, np.int32).reshape(-1, 3),
+            logprobs=logprobs,
+            has_logprobs=has_logprobs,
+            top_counts=top_counts,
+            top_ids=top_ids,
+            top_vals=top_vals,
+            errors=self.errors,
+        )
 
 
 @dataclass

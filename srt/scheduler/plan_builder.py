@@ -84,16 +84,19 @@ def _decode_tokens(
     # this runs every step for every running request.
     n = len(items)
     new = alloc(n)
-    for i, (req, _) in enumerate(items):
-        req.add_slots(new[i : i + 1])
+    for (req, _), slot in zip(items, new.tolist(), strict=True):
+        req.add_slot(slot)
         req.table_len = req.kv_len + 1
+    pending = np.fromiter((r.pending_outputs for r, _ in items), np.int32, n)
+    if pending.all():
+        # Overlapped decoding's usual step: every input is a token a step in flight samples,
+        # which stays on the device; none is read here.
+        return _Tokens(np.zeros(n, np.int32), kv_lens, new, req_rows, kv_lens, new, req_rows)
     ids = np.fromiter(
         (r.output_ids[-1] if not r.pending_outputs else 0 for r, _ in items), np.int32, n
     )
     input_from_row = None
-    pending = np.fromiter((r.pending_outputs for r, _ in items), np.int32, n)
     if pending.any():
-        # The input is a token a step in flight samples; it stays on the device.
         input_from_row = np.where(pending > 0, req_rows, -1).astype(np.int32)
     return _Tokens(ids, kv_lens, new, req_rows, kv_lens, new, input_from_row)
 

@@ -50,13 +50,24 @@ class Req:
         self.slot_buf, self.num_slots = slots, len(slots)
 
     def add_slots(self, new: np.ndarray) -> None:
-        end = self.num_slots + len(new)
+        end = self._room(len(new))
+        self.slot_buf[self.num_slots : end] = new
+        self.num_slots = end
+
+    def add_slot(self, slot: int) -> None:
+        """One slot (a decode step's): a scalar store, cheaper than a slice's."""
+        end = self._room(1)  # first: it may replace the buffer
+        self.slot_buf[end - 1] = slot
+        self.num_slots = end
+
+    def _room(self, n: int) -> int:
+        """Grow the buffer to hold `n` more slots; where they end."""
+        end = self.num_slots + n
         if end > len(self.slot_buf):
             buf = np.empty(max(end, 2 * len(self.slot_buf), 64), np.int32)
             buf[: self.num_slots] = self.slots
             self.slot_buf = buf
-        self.slot_buf[self.num_slots : end] = new
-        self.num_slots = end
+        return end
 
     @property
     def prompt_done(self) -> bool:

@@ -38,14 +38,21 @@ from collections import deque
 from collections.abc import Callable
 
 from srt.batch_layout import ForwardMode
-from srt.ipc.messages import BatchPlan, BatchResult, GenerateReq, TokenOutput
+from srt.ipc.messages import (
+    BatchPlan,
+    BatchResult,
+    GenerateReq,
+    StepOutputs,
+    StepOutputsBuilder,
+    TokenOutput,
+)
 from srt.ipc.reports import SchedulerInfo
 from srt.request_limits import RequestLimits, check_seq
 from srt.scheduler.admission import Admission
 from srt.scheduler.kv_accounting import KVAccounting
 from srt.scheduler.plan_builder import build_plan
 from srt.scheduler.req import Req, ScheduledStep, StepCounters
-from srt.scheduler.token_outputs import output_due, take_sample, token_output
+from srt.scheduler.token_outputs import add_output_if_due, take_sample, token_output
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -156,38 +163,22 @@ class Scheduler:
         samples = [self._commit(req, extend) for req, extend in items]
         return ScheduledStep(plan, [r for r, _ in items], samples)
 
-    def process_result(self, step: ScheduledStep, result: BatchResult) -> list[TokenOutput]:
+    def process_result(self, step: ScheduledStep, result: BatchResult) -> StepOutputs:
         """Apply a step's sampled ids: stop checks, outputs, and the releases it allows."""
-        outputs = []
-        if step.plan.forward_mode == ForwardMode.DECODE:
-            self.counters.decode_steps += 1
-        else:
-            self.counters.prefill_steps += 1
-        for i, (req, samples) in enumerate(zip(step.reqs, step.samples, strict=True)):
-            req.steps_in_flight -= 1
-            if samples and req.max_new_tokens > 0:
-                req.pending_outputs -= 1
-            if req.finished_reason is not None:  # finished before: this step's token drops
-                if req.steps_in_flight == 0:
-                    self._release(req)
-                continue
-            if not samples:
-                continue
-            output = self._sampled(req, result, i)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        outputs = StepOutputsBuilder()
+        self._process(step, result, outputs)
+        return outputs.build()
 
-    def step(self, forward: Callable[[BatchPlan], BatchResult]) -> list[TokenOutput]:
+    def step(self, forward: Callable[[BatchPlan], BatchResult]) -> StepOutputs:
         """Schedule, run `forward` on the plan, and process its result."""
         scheduled = self.schedule()
         if scheduled is None:
-            return []
+            return StepOutputsBuilder().build()
         return self.process_result(scheduled, forward(scheduled.plan))
 
     def step_overlapped(
         self, launch: Callable[[BatchPlan], Callable[[], BatchResult]]
-    ) -> list[TokenOutput] | None:
+    ) -> StepOutputs | None:
         """Plan and launch the next step, then process the oldest one in flight once more
         than `overlap_depth` are (or, with nothing to plan, whichever is oldest); None when
         there was nothing to plan and none in flight. `launch` starts a step and returns what
@@ -198,17 +189,19 @@ class Scheduler:
         if scheduled is not None:
             self.in_flight.append((scheduled, launch(scheduled.plan)))
             if len(self.in_flight) <= self.overlap_depth:
-                return []  # the device has work queued; its results come in later turns
+                # The device has work queued; its results come in later turns.
+                return StepOutputsBuilder().build()
         step, wait = self.in_flight.popleft()
         return self.process_result(step, wait())
 
-    def drain(self) -> list[TokenOutput]:
-        """Wait for every step in flight, oldest first, and process them."""
-        outputs = []
+    def drain(self) -> StepOutputs:
+        """Wait for every step in flight, oldest first, and process them: their outputs in
+        one message."""
+        outputs = StepOutputsBuilder()
         while self.in_flight:
             step, wait = self.in_flight.popleft()
-            outputs += self.process_result(step, wait())
-        return outputs
+            self._process(step, wait(), outputs)
+        return outputs.build()
 
     def info(self) -> SchedulerInfo:
         slots = self.kv.allocator
@@ -229,10 +222,11 @@ class Scheduler:
     def _commit(self, req: Req, extend: int) -> bool:
         """Commit a planned step's effect on a request: whether the step samples a token for
         it (it does once the prompt is planned in full)."""
-        was_prefilling = not req.prompt_done
+        prompt_len = len(req.input_ids)
+        was_prefilling = req.kv_len < prompt_len
         req.kv_len += extend
         req.steps_in_flight += 1
-        if not req.prompt_done:
+        if req.kv_len < prompt_len:
             return False
         if req.max_new_tokens > 0:
             req.pending_outputs += 1
@@ -240,14 +234,40 @@ class Scheduler:
                 self.running[req.rid] = req
         return True
 
-    def _sampled(self, req: Req, result: BatchResult, i: int) -> TokenOutput | None:
-        """Apply the id sampled for `req` at row `i` of `result`: the output that says so,
-        if one is due (`--stream-interval`)."""
-        new_ids = take_sample(req, result, i, self.eos_token_ids)
-        self.counters.generated_tokens += len(new_ids)
+    def _process(
+        self, step: ScheduledStep, result: BatchResult, outputs: StepOutputsBuilder
+    ) -> None:
+        if step.plan.forward_mode == ForwardMode.DECODE:
+            self.counters.decode_steps += 1
+        else:
+            self.counters.prefill_steps += 1
+        # One conversion for the step: indexing the array per request costs a numpy scalar
+        # each.
+        tokens = result.next_token_ids.tolist()
+        generated = 0
+        for i, (req, samples) in enumerate(zip(step.reqs, step.samples, strict=True)):
+            req.steps_in_flight -= 1
+            if samples and req.max_new_tokens > 0:
+                req.pending_outputs -= 1
+            if req.finished_reason is not None:  # finished before: this step's token drops
+                if req.steps_in_flight == 0:
+                    self._release(req)
+                continue
+            if not samples:
+                continue
+            generated += self._sampled(req, tokens[i], result, i, outputs)
+        self.counters.generated_tokens += generated
+
+    def _sampled(
+        self, req: Req, token: int, result: BatchResult, i: int, outputs: StepOutputsBuilder
+    ) -> int:
+        """Apply `token`, sampled for `req` at row `i` of `result`, and add the output that
+        says so to `outputs` if one is due (`--stream-interval`): how many ids it adds."""
+        new_ids = take_sample(req, token, result, i, self.eos_token_ids)
         if req.finished_reason is not None:
             self._finish(req)
-        return output_due(req, self.args.stream_interval)
+        add_output_if_due(req, self.args.stream_interval, outputs)
+        return new_ids
 
     def _finish(self, req: Req) -> None:
         """A finished request is planned no more; released now if no step in flight has it,

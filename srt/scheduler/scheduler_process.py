@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
+import numpy as np
 import zmq
 
 from srt.batch_layout import ForwardMode
@@ -74,21 +75,25 @@ class OutputRoutes:
     def forget(self, rid: str) -> None:
         self.worker_of.pop(rid, None)
 
-    def send_outputs(self, outputs: list[TokenOutput]) -> None:
+    def send_outputs(self, outputs: StepOutputs) -> None:
         """A step's outputs, one message to each worker that has any."""
         if not outputs:
             return
         if len(self.senders) == 1:
-            self.senders[0].send(StepOutputs.pack(outputs))
+            self.senders[0].send(outputs)
             return
-        by_worker: dict[int, list[TokenOutput]] = {}
         worker_of = self.worker_of
-        for out in outputs:
+        workers = np.fromiter(
             # A finished request sends nothing more: forget where it came from.
-            worker = worker_of.pop(out.rid) if out.finished_reason else worker_of[out.rid]
-            by_worker.setdefault(worker, []).append(out)
-        for worker, group in by_worker.items():
-            self.senders[worker].send(StepOutputs.pack(group))
+            (
+                worker_of.pop(rid) if reason else worker_of[rid]
+                for rid, reason in zip(outputs.rids, outputs.finished_reasons, strict=True)
+            ),
+            np.int32,
+            len(outputs),
+        )
+        for worker in np.unique(workers).tolist():
+            self.senders[worker].send(outputs.take(workers == worker))
 
     def send_replies(
         self, replies: dict[int, list[TokenOutput | FlushCacheOutput | InfoOutput]]
@@ -145,7 +150,7 @@ class SchedulerLoop:
             self._send_outputs(outputs)
             self.timeline.mark("outputs_sent")
 
-    def _step(self) -> list[TokenOutput] | None:
+    def _step(self) -> StepOutputs | None:
         """One step's outputs; None if no step could be planned and none was in flight."""
         if self.overlap:
             return self.scheduler.step_overlapped(self._launch)
@@ -176,7 +181,7 @@ class SchedulerLoop:
             raise TypeError(f"expected {kind.__name__} from the runner, got {type(msg).__name__}")
         return msg
 
-    def _send_outputs(self, outputs: list[TokenOutput]) -> None:
+    def _send_outputs(self, outputs: StepOutputs) -> None:
         self.routes.send_outputs(outputs)
 
     def _handle_inbox(self) -> None:
