@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -63,3 +65,20 @@ def still_alive(pids: list[int], grace_s: float = 5.0) -> list[int]:
     while (alive := [pid for pid in pids if is_alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return alive
+
+
+def assert_a_death_takes_it_down(srv: ServerProcess, name: str, notice_s: float = 5.0) -> None:
+    """Kill the server's process `name` (as its startup record names it): the server must
+    exit non-zero within `notice_s`, leave no process and no ipc directory behind, and say
+    which process died."""
+    info = srv.info()
+    pid = info["processes"][name]["pid"]
+    children = child_pids(srv.proc.pid)
+    assert pid in children
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    assert srv.proc.wait(30) != 0
+    assert time.monotonic() - start < notice_s, "took too long to notice"
+    assert not still_alive(children)
+    assert not Path(info["ipc_dir"]).exists()
+    assert f"{name} process (pid {pid}) died" in srv.log()

@@ -435,13 +435,16 @@ def test_flashinfer_imports_on_a_thread_of_its_own(
         "import threading\nimported_on = threading.current_thread().name\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)  # a real one comes back after
     monkeypatch.setattr(flashinfer_support, "_importing", None)
-    flashinfer_support.start_import()
-    module = flashinfer_support.module()
-    assert module.imported_on.startswith("srt-flashinfer-import")
-    assert flashinfer_support.module() is module
-    monkeypatch.delitem(sys.modules, "flashinfer")
+    try:
+        flashinfer_support.start_import()
+        module = flashinfer_support.module()
+        assert module.imported_on.startswith("srt-flashinfer-import")
+        assert flashinfer_support.module() is module
+    finally:
+        # The stand-in must not outlive the test: later ones would take it for FlashInfer.
+        sys.modules.pop("flashinfer", None)
 
 
 def test_flashinfer_missing_is_refused_with_the_flags() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
 import socket
@@ -17,7 +16,14 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from server_helpers import REPO, ServerProcess, child_pids, free_port, still_alive
+from server_helpers import (
+    REPO,
+    ServerProcess,
+    assert_a_death_takes_it_down,
+    child_pids,
+    free_port,
+    still_alive,
+)
 
 
 def _wait_exit(srv: ServerProcess, timeout: float) -> tuple[int, float]:
@@ -151,16 +157,7 @@ def test_runner_death_takes_the_server_down(tiny_llama: Path, tmp_path: Path) ->
     srv = _start(tiny_llama, tmp_path)  # `python -m srt.launch_server`
     try:
         srv.wait_ready()
-        info = srv.info()
-        runner = info["processes"]["model_runner"]["pid"]
-        children = child_pids(srv.proc.pid)
-        os.kill(runner, signal.SIGKILL)
-        code, took = _wait_exit(srv, 30)
-        assert code != 0
-        assert took < 5, f"took {took:.1f} s to notice"
-        assert not still_alive(children)
-        assert not Path(info["ipc_dir"]).exists()
-        assert f"model_runner process (pid {runner}) died" in srv.log()
+        assert_a_death_takes_it_down(srv, "model_runner")
     finally:
         srv.stop()
 

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +14,7 @@ import httpx
 import pytest
 import torch
 from compile_helpers import PROMPTS, greedy_ids, tc_engine
-from server_helpers import ServerProcess, child_pids, still_alive
+from server_helpers import ServerProcess, assert_a_death_takes_it_down
 
 from srt import Engine
 from srt.launch_server import main
@@ -103,18 +100,7 @@ def test_server_with_two_ranks_serves_the_same_ids_and_dies_with_a_rank(
             }
             resp = httpx.post(f"{srv.url}/generate", json=body, timeout=60)
             assert resp.json()["output_ids"] == want, resp.text
-        info = srv.info()
-        follower = info["processes"]["model_runner_rank1"]["pid"]
-        children = child_pids(srv.proc.pid)
-        assert follower in children
-        os.kill(follower, signal.SIGKILL)
-        start = time.monotonic()
-        code = srv.proc.wait(30)
-        assert code != 0
-        assert time.monotonic() - start < 10
-        assert not still_alive(children)
-        assert not Path(info["ipc_dir"]).exists()
-        assert f"model_runner_rank1 process (pid {follower}) died" in srv.log()
+        assert_a_death_takes_it_down(srv, "model_runner_rank1", notice_s=10)
     finally:
         srv.stop()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import signal
 import threading
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import ServerProcess, child_pids, still_alive
+from server_helpers import ServerProcess, assert_a_death_takes_it_down, child_pids, still_alive
 
 from srt.server_args import ServerArgs, ServerArgsError
 
@@ -150,17 +149,7 @@ def test_a_dying_worker_takes_the_server_down(tiny_llama: Path, tmp_path: Path) 
     )
     try:
         srv.wait_ready()
-        info = srv.info()
-        worker = info["processes"]["tokenizer1"]["pid"]
-        children = child_pids(srv.proc.pid)
-        os.kill(worker, signal.SIGKILL)
-        start = time.monotonic()
-        code = srv.proc.wait(30)
-        assert code != 0
-        assert time.monotonic() - start < 5
-        assert not still_alive(children)
-        assert not Path(info["ipc_dir"]).exists()
-        assert f"tokenizer1 process (pid {worker}) died" in srv.log()
+        assert_a_death_takes_it_down(srv, "tokenizer1")
     finally:
         srv.stop()
 
