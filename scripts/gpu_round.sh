@@ -7,6 +7,7 @@
 #   runner-SHAPE.jsonl              srt.bench.one_batch (every decode path) + srt.bench.hf_baseline
 #   cold_start-SHAPE.json / .png    srt.bench.cold_start on a random checkpoint written to disk
 #   serving-SHAPE-VARIANT-INxOUT.json  srt.bench.serving per variant and lengths
+#   noloss-SHAPE.json               srt.bench.serving, 2,000 requests at concurrency 128
 #   attention.json                  srt.bench.attention (the attention op alone per backend)
 # and the tables (scripts/bench_tables.py) are printed last.
 #
@@ -30,6 +31,8 @@
 #                        nographs, prefill captured (prefill-full) or not (prefill-off), and
 #                        captured with mixed steps (mixed), N tokenizer workers (twN), an
 #                        output every N tokens (siN); SERVING_VARIANTS overrides
+#   noloss-SHAPE         2,000 requests at concurrency 128 (128 prompt tokens, 256 new) with
+#                        NOLOSS_FLAGS (default: --tokenizer-worker-num 2): all finish whole?
 #   attention            srt.bench.attention on the 1B and 8B heads, for ATTENTION_BACKENDS
 #                        (default: triton flashinfer)
 # SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first (again
@@ -142,6 +145,18 @@ cold_start() {
     --output-file "$out/cold_start-$shape.json" --plot "$out/cold_start-$shape.png"
 }
 
+noloss() {  # 2,000 requests at concurrency 128, 128 prompt tokens and 256 new: every one must
+  # finish with its count, the KV come back, no capture or JIT compile inside the window
+  local shape=$1 name="noloss-$1"
+  checkpoint "$shape"
+  # shellcheck disable=SC2086
+  step "$name" python3 -m srt.bench.serving --max-concurrency 128 --num-prompts 2000 \
+    --input-len 128 --output-len 256 --output-file "$out/$name.json" \
+    --server-log "$work/logs/server-$name.log" -- --model-path "$CKPT" \
+    ${NOLOSS_FLAGS:---tokenizer-worker-num 2}
+  tail -n 3 "$work/logs/$name.log"
+}
+
 serving() {  # decode full with overlap (the default), and the variants that move it
   local shape=$1 variant lens
   checkpoint "$shape"
@@ -185,6 +200,7 @@ for stage in "$@"; do
         --compile-cache-dir "$work/cache-attention" --output "$out/attention.json"
       sed -n '/^ *shape /,$p' "$work/logs/attention.log" ;;
     runner-*) runner "${stage#runner-}" ;;
+    noloss-*) noloss "${stage#noloss-}" ;;
     cold_start-*) cold_start "${stage#cold_start-}" ;;
     serving-*) serving "${stage#serving-}" ;;
     frontend)  # the main process alone, against a stand-in scheduler at the runner's step;
@@ -207,7 +223,7 @@ for stage in "$@"; do
 done
 
 echo
-for f in "$out"/runner-*.jsonl "$out"/cold_start-*.json "$out"/serving-*.json; do
+for f in "$out"/runner-*.jsonl "$out"/cold_start-*.json "$out"/serving-*.json "$out"/noloss-*.json; do
   [ -f "$f" ] && python3 scripts/bench_tables.py "$f"
 done
 exit "$status"
