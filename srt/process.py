@@ -28,16 +28,25 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def process_cpu_s(pid: int) -> float | None:
-    """The CPU seconds (user and system, every thread) that process `pid` has used, from
-    /proc (another process's counters: Linux only, as the server); None once it is gone."""
+def proc_stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat from the 3rd (the state) on, or None once the process
+    is gone (Linux only, as the server). The 2nd (the command) may hold spaces and
+    parentheses: the fields start after its last closing parenthesis."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    # utime and stime are the 14th and 15th fields; the 2nd (the command) may hold spaces,
-    # so count from its closing parenthesis, after which the 3rd begins.
-    fields = stat[stat.rindex(")") + 2 :].split()
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """The CPU seconds (user and system, every thread) that process `pid` has used, from its
+    counters in /proc (another process's, which `time.process_time` cannot give); None once
+    it is gone."""
+    fields = proc_stat_fields(pid)
+    if fields is None:
+        return None
+    # utime and stime, the 14th and 15th fields.
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

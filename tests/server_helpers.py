@@ -9,23 +9,15 @@ from pathlib import Path
 
 from srt.bench.server_process import ServerProcess as BenchServerProcess
 from srt.bench.server_process import free_port  # noqa: F401 (the tests take it from here)
+from srt.process import proc_stat_fields
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 120
 
 
-def _stat_fields(stat: Path) -> list[str] | None:
-    """The fields after the command name of a /proc/<pid>/stat file (state, ppid, ...), or
-    None once the process is gone."""
-    try:
-        return stat.read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
 def process_state(pid: int) -> str | None:
     """The /proc state letter of `pid` (R, S, Z...), or None if there is no such process."""
-    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    fields = proc_stat_fields(pid)
     return fields[0] if fields else None
 
 
@@ -35,9 +27,9 @@ def is_alive(pid: int) -> bool:
 
 def child_pids(pid: int) -> list[int]:
     return [
-        int(stat.parent.name)
-        for stat in Path("/proc").glob("[0-9]*/stat")
-        if (fields := _stat_fields(stat)) and int(fields[1]) == pid
+        int(proc.name)
+        for proc in Path("/proc").glob("[0-9]*")
+        if (fields := proc_stat_fields(int(proc.name))) and int(fields[1]) == pid
     ]
 
 

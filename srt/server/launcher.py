@@ -171,18 +171,11 @@ class Launcher:
         for name, module, function, call_args in spawns:
             target = ChildEntry(module, function)
             self.children[name] = Child(name, target, call_args, self.launched)
-        self._spawn_tokenizer_workers()
-        self._mark("start_s")
-
-    def _spawn_tokenizer_workers(self) -> None:
-        for name, (child, orders) in spawn_tokenizer_workers(
-            self.args, self.endpoints, self.launched
-        ).items():
+        workers = spawn_tokenizer_workers(args, endpoints, self.launched)
+        for name, (child, orders) in workers.items():
             self.children[name] = child
             self.worker_orders[name] = orders
-
-    def _order_workers(self, order: ServeFrom | StopServing) -> None:
-        order_workers(self.worker_orders, order)
+        self._mark("start_s")
 
     def run(self, sock: socket.socket) -> int:
         """Serve on `sock` until a signal (exit code 0) or a child failure (1)."""
@@ -239,7 +232,7 @@ class Launcher:
                     return 0
                 logger.error("%s; shutting down", e)
                 self.manager.fail(str(e))
-                self._order_workers(StopServing(str(e)))
+                order_workers(self.worker_orders, StopServing(str(e)))
                 self.server.should_exit = True
                 return 1
             if (
@@ -252,7 +245,7 @@ class Launcher:
         # A signal: requests in flight end now, with an error (a final event and [DONE] for a
         # stream), rather than being cut off when the graceful shutdown runs out.
         ended = self.manager.fail(SHUTDOWN_REASON)
-        self._order_workers(StopServing(SHUTDOWN_REASON))
+        order_workers(self.worker_orders, StopServing(SHUTDOWN_REASON))
         if ended:
             logger.info("shutting down: ended %d sequence(s) in flight", ended)
         return 0
@@ -312,7 +305,7 @@ class Launcher:
         startup = ServerStartup(
             startup_s, time.time(), self.endpoints.dir, {"tokenizer": tokenizer, **processes}
         )
-        self._order_workers(ServeFrom(info.context_length, info.kv_slots, startup))
+        order_workers(self.worker_orders, ServeFrom(info.context_length, info.kv_slots, startup))
         self.manager.mark_ready(info.context_length, info.kv_slots, startup)
         logger.info(
             "server ready in %.2f s (this process: %s): serving %s at http://%s:%d",
