@@ -131,6 +131,13 @@ checkpoint() {  # sets CKPT: a random checkpoint of the shape on local disk, wri
       --model-shape "$1"
 }
 
+shape_dir() {  # sets SHAPE_DIR: the shape's config and tokenizer, no weights (--load-format dummy)
+  SHAPE_DIR="$work/shape/$1"
+  [ -f "$SHAPE_DIR/config.json" ] || step "shape-$1" python3 -c \
+    "import sys, pathlib; from srt.tools.model_shapes import write_model_shape
+write_model_shape(sys.argv[1], pathlib.Path(sys.argv[2]))" "$1" "$work/shape"
+}
+
 cold_start() {
   local shape=$1
   local configs=${COLD_START_CONFIGS:-nographs full-lazy full-upfront tcpw-inductor-lazy tcpw-inductor-upfront full-inductor-lazy full-inductor-upfront}
@@ -148,18 +155,18 @@ cold_start() {
 noloss() {  # 2,000 requests at concurrency 128, 128 prompt tokens and 256 new: every one must
   # finish with its count, the KV come back, no capture or JIT compile inside the window
   local shape=$1 name="noloss-$1"
-  checkpoint "$shape"
+  shape_dir "$shape"
   # shellcheck disable=SC2086
   step "$name" python3 -m srt.bench.serving --max-concurrency 128 --num-prompts 2000 \
     --input-len 128 --output-len 256 --output-file "$out/$name.json" \
-    --server-log "$work/logs/server-$name.log" -- --model-path "$CKPT" \
-    ${NOLOSS_FLAGS:---tokenizer-worker-num 2}
+    --server-log "$work/logs/server-$name.log" -- --model-path "$SHAPE_DIR" \
+    --load-format dummy ${NOLOSS_FLAGS:---tokenizer-worker-num 2}
   tail -n 3 "$work/logs/$name.log"
 }
 
 serving() {  # decode full with overlap (the default), and the variants that move it
   local shape=$1 variant lens
-  checkpoint "$shape"
+  shape_dir "$shape"  # random weights drawn on the device: a step's time does not need a file
   for lens in ${SERVING_LENS:-128:256 1024:128}; do
     local in_len=${lens%:*} out_len=${lens#*:}
     for variant in ${SERVING_VARIANTS:-full depth1 no-overlap nographs prefill-full mixed}; do
@@ -180,7 +187,8 @@ serving() {  # decode full with overlap (the default), and the variants that mov
       step "$name" python3 -m srt.bench.serving \
         --max-concurrency ${SERVING_CONCURRENCY:-1 32 64 128} --input-len "$in_len" \
         --output-len "$out_len" --output-file "$out/$name.json" \
-        --server-log "$work/logs/server-$name.log" -- --model-path "$CKPT" "${flags[@]}"
+        --server-log "$work/logs/server-$name.log" -- --model-path "$SHAPE_DIR" \
+        --load-format dummy "${flags[@]}"
       # A request that failed: what the server said about it.
       grep -n -i -B2 -A8 "error\|traceback" "$work/logs/server-$name.log" | tail -n 40
     done

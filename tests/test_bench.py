@@ -524,7 +524,8 @@ def test_shares_over_the_load_window() -> None:
         timelines = {
             proc: {"timeline": {"cpu_s": s}} for proc, s in zip(serving.PROCESSES, cpu, strict=True)
         }
-        timelines["runner"]["graph_pool"] = {"captures": captures}
+        labels = [f"decode bucket {b}" for b in (1, 2, 4, 8, 16)[:captures]]
+        timelines["runner"]["graph_pool"] = {"captures": captures, "captured": labels}
         timelines["runner"]["jit_misses"] = {"count": 1}
         timelines["scheduler"]["cached_tokens"] = 40
         return {"clock_s": clock, **timelines}
@@ -536,9 +537,11 @@ def test_shares_over_the_load_window() -> None:
     assert figures["cpu_busy"] == {"scheduler": 0.5, "runner": 1.0, "tokenizer": 0.1}
     assert figures["timeline"]["runner"] == {"cpu_s": 24.0}
     assert figures["captures_in_window"] == 2
+    assert figures["captured_in_window"] == ["decode bucket 8", "decode bucket 16"]
     assert figures["jit_misses_in_window"] == 0 and figures["cached_tokens_in_window"] == 0
     del before["runner"]["graph_pool"]  # a server that does not report it: no figure
     assert serving.window_figures(before, after)["captures_in_window"] is None
+    assert serving.window_figures(before, after)["captured_in_window"] is None
     # The client's share: its CPU seconds over the load window, all processes and the busiest.
     load = serving.ClientLoad([], [0.5, 1.0], 2.0)
     assert load.figures() == {

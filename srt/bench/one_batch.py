@@ -13,8 +13,9 @@ server runs them (step N+1 launched before N's ids are read; `decode_ms_overlapp
 hides the host's share of a step behind the device's; `launch_host_ms` is the median host time
 of one such launch (the plan uploaded, the graph replayed, the result's copy queued: what the
 server's host path adds to each step when the device waits for it). `--profile DIR` then
-runs the decode steps once more under `torch.profiler`, writes the trace to DIR and adds its
-summary (GPU kernel ms, kernels and host ms per step, the top kernels). One JSON line per
+runs the decode steps once more under `torch.profiler`, and three prefills of the batch's
+prompts, writes their traces to DIR and adds their summaries (GPU kernel ms, kernels and host
+ms per step, the top kernels). One JSON line per
 batch size is appended to `--result-file`; the table is printed last.
 """
 
@@ -48,6 +49,7 @@ from srt.tools.make_tiny_model import resolve_model_path
 from srt.tools.model_shapes import MODEL_SHAPES, write_model_shape
 
 STEP_ANNOTATION = "srt_decode_step"
+PREFILL_ANNOTATION = "srt_prefill_step"
 # Device activity in a Kineto trace.
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -168,27 +170,47 @@ def run_overlapped(runner: ModelRunner, reqs: Requests) -> Overlapped:
     return Overlapped(step_s, launch_s, np.stack(sampled, axis=1))
 
 
+def profiler_for(runner: ModelRunner) -> Any:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
 def profile_decode(
     runner: ModelRunner, reqs: Requests, trace: Path, top: int = 25
 ) -> dict[str, Any]:
     """Profile one run's decode steps (warm), write the Kineto trace, summarise it."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if runner.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    prof = torch.profiler.profile(activities=activities)
+    prof = profiler_for(runner)
     run_once(runner, reqs, prof)  # it records the decode steps alone
     prof.export_chrome_trace(str(trace))
     return {"trace": str(trace), **summarize_trace(json.loads(trace.read_text()), top)}
 
 
-def summarize_trace(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
-    """Per decode step: wall ms (the annotated steps), device busy ms and kernel count,
+def profile_prefill(
+    runner: ModelRunner, reqs: Requests, trace: Path, runs: int = 3, top: int = 25
+) -> dict[str, Any]:
+    """Profile `runs` warm prefills of the batch's prompts, each waited for (its ids read
+    back: `forward` waits), write the Kineto trace, summarise it per prefill step."""
+    prof = profiler_for(runner)
+    with prof:
+        for _ in range(runs):
+            with torch.profiler.record_function(PREFILL_ANNOTATION):
+                runner.forward(reqs.plan(ForwardMode.EXTEND, 0, reqs.prompts))
+    prof.export_chrome_trace(str(trace))
+    summary = summarize_trace(json.loads(trace.read_text()), top, PREFILL_ANNOTATION)
+    return {"trace": str(trace), **summary}
+
+
+def summarize_trace(
+    trace: dict[str, Any], top: int = 10, annotation: str = STEP_ANNOTATION
+) -> dict[str, Any]:
+    """Per step (the trace's `annotation` events; it holds those steps only): wall ms, device
+    busy ms and kernel count,
     host ms (wall less the time the host sat waiting for the device), the top kernels, the
     top host ops and CUDA runtime calls."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    steps = [
-        e for e in events if e.get("name") == STEP_ANNOTATION and e.get("cat") == "user_annotation"
-    ]
+    steps = [e for e in events if e.get("name") == annotation and e.get("cat") == "user_annotation"]
     n = max(len(steps), 1)
     device = [e for e in events if e.get("cat") in _DEVICE_CATEGORIES]
     # The host waits in a synchronize call, or in the copy of a result to pageable memory,
@@ -327,6 +349,8 @@ def bench(
                 name = label(row).replace(", ", "_").replace(" ", "-")  # a file name
                 trace = profile_dir / f"{name}-bs{b}.json"
                 row["profile"] = profile_decode(runner, reqs, trace)
+                prefill_trace = profile_dir / f"{name}-bs{b}-prefill.json"
+                row["profile_prefill"] = profile_prefill(runner, reqs, prefill_trace)
             results.append(row)
         return results
 
@@ -370,13 +394,15 @@ PROFILE_TABLE = [
 def format_results(rows: list[dict[str, Any]]) -> str:
     rows = [{**r, "label": label(r)} for r in rows]
     out = [format_table(rows, TABLE)]
-    profiled = [r for r in rows if "profile" in r]
-    if profiled:
-        out.append("\nprofile of the warm decode steps (per step):")
-        out.append(format_table([{**r, **r["profile"]} for r in profiled], PROFILE_TABLE))
+    for key, steps in (("profile", "decode steps"), ("profile_prefill", "prefill steps")):
+        profiled = [r for r in rows if key in r]
+        if not profiled:
+            continue
+        out.append(f"\nprofile of the warm {steps} (per step):")
+        out.append(format_table([{**r, **r[key]} for r in profiled], PROFILE_TABLE))
         for r in profiled:
-            out.append(f"\ntop kernels, {r['label']} bs {r['batch_size']}:")
-            for k in r["profile"]["top_kernels"]:
+            out.append(f"\ntop kernels of the {steps}, {r['label']} bs {r['batch_size']}:")
+            for k in r[key]["top_kernels"]:
                 out.append(
                     f"  {k['ms_per_step']:8.4f} ms  x{k['calls_per_step']:<6g} {k['name'][:100]}"
                 )

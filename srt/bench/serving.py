@@ -745,6 +745,17 @@ def growth(before: dict[str, Any], after: dict[str, Any], *path: str) -> int | N
     return last - first if isinstance(first, int) and isinstance(last, int) else None
 
 
+def new_captures(before: dict[str, Any], after: dict[str, Any]) -> list[str] | None:
+    """The labels of the graphs captured from `before` to `after` ("decode bucket 8"); None
+    where the server does not name them."""
+    first = nested(before, (*CAPTURES[:-1], "captured"))
+    last = nested(after, (*CAPTURES[:-1], "captured"))
+    if not isinstance(first, list) or not isinstance(last, list):
+        return None
+    seen = set(first)
+    return [label for label in last if label not in seen]
+
+
 def step_kind(timeline: dict[str, Any] | None, kind: str) -> dict[str, Any]:
     """A step timeline's figures of one step kind (`extend`, `decode`): its `steps`,
     `requests_mean`, `tokens_mean` and `ms_total`; empty where it had none. Older results
@@ -791,6 +802,7 @@ def window_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
         },
         "cpu_busy": cpu_busy,
         "captures_in_window": growth(before, after, *CAPTURES),
+        "captured_in_window": new_captures(before, after),
         "jit_misses_in_window": growth(before, after, *JIT_MISSES),
         "cached_tokens_in_window": growth(before, after, *CACHED_TOKENS),
     }
@@ -985,6 +997,7 @@ def warm_up(
         "errors": errors,
         "duration_s": round(time.perf_counter() - start, 3),
         "captures": growth(before, after, *CAPTURES),
+        "captured": new_captures(before, after),
         "jit_misses": growth(before, after, *JIT_MISSES),
     }
 
@@ -1145,6 +1158,12 @@ def notes(result: dict[str, Any]) -> list[str]:
         f"warm-up: bursts of {warmup['bursts']} requests, {warmup['captures']} captures and "
         f"{warmup['jit_misses']} JIT misses in it, {warmup['errors']} errors",
     ]
+    for run in result["runs"]:
+        if run.get("captured_in_window"):
+            lines.append(
+                f"captured in the window of concurrency {run['max_concurrency']}: "
+                + ", ".join(run["captured_in_window"])
+            )
     if runner["rows"]:
         batches = [r["batch_size"] for r in runner["rows"]]
         lines.append(f"runner ceiling: from {runner['source']}, batches {batches}")

@@ -66,6 +66,7 @@ class GraphPoolInfo:
     budget_bytes: int
     captures: int
     skips: int
+    captured: list[str]  # every capture's label ("decode bucket 8"), in order
 
 
 @dataclass(frozen=True)

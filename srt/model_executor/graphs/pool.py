@@ -235,5 +235,10 @@ class GraphPool:
 
     def info(self) -> GraphPoolInfo:
         return GraphPoolInfo(
-            self.capturer is not None, self.bytes, self.budget_bytes, self.captures, self.skips
+            self.capturer is not None,
+            self.bytes,
+            self.budget_bytes,
+            self.captures,
+            self.skips,
+            list(self.labels),
         )
