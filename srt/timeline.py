@@ -3,10 +3,11 @@
 Each process that handles steps (scheduler, runner, tokenizer) keeps one: marking costs one
 `perf_counter` call and an array store, so it is always on; `/get_server_info` shows the
 median gaps between consecutive marks over the last steps. Medians hide the rare long step, so
-the scheduler also tags each step with its kind and batch (`tag`), and the summary adds, per
-kind, the steps, their mean requests and tokens and the total time from their start to the
-next step's; with the process's CPU seconds (`cpu_s`), two answers tell whether a process was
-busy all along (a client diffs them over a run).
+the scheduler and the runner also tag each step with its kind and batch (`tag`, `tag_plan`),
+and the summary adds, per kind, the steps, their mean requests and tokens, the total time from
+their start to the next step's and their own median gaps (a prefill's path to its first
+token apart from the decodes'); with the process's CPU seconds (`cpu_s`), two answers tell
+whether a process was busy all along (a client diffs them over a run).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import warnings
 
 import numpy as np
 
+from srt.ipc.messages import BatchPlan
 from srt.ipc.reports import StepKindSummary, TimelineSummary
 
 
@@ -44,6 +46,10 @@ class StepTimeline:
             self.kinds.append(kind)
         self.tags[self.steps % len(self.times)] = (self.kinds.index(kind), requests, tokens)
 
+    def tag_plan(self, plan: BatchPlan) -> None:
+        """`tag` the step just begun with a batch plan's mode and batch."""
+        self.tag(plan.mode.name.lower(), plan.batch_size, plan.num_tokens)
+
     def discard(self) -> None:
         """Forget the step just begun (it turned out to do nothing)."""
         self.times[self.steps % len(self.times)] = np.nan
@@ -70,24 +76,33 @@ class StepTimeline:
             kept_rows = ~(t[:, 0] < since)  # a step begun before `since` is out (NaN rows stay)
             t, tags = t[kept_rows], tags[kept_rows]
         t = t * 1000.0
-        gaps: dict[str, float] = {}
         period_ms, kinds = None, {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
-            for i in range(1, len(self.marks)):
-                gap = np.nanmedian(t[:, i] - t[:, i - 1]) if len(t) else np.nan
-                if not np.isnan(gap):
-                    gaps[f"{self.marks[i - 1]}_to_{self.marks[i]}"] = round(float(gap), 4)
+            gaps = self._gaps(t)
             if len(t) > 1:
                 periods = np.diff(t[:, 0])
                 period_ms = round(float(np.nanmedian(periods)), 4)
-                kinds = self._by_kind(tags[:-1], periods)
+                kinds = self._by_kind(t[:-1], tags[:-1], periods)
         window = int(np.sum(~np.isnan(t[:, 0])))
         return TimelineSummary(self.steps, window, cpu_s, gaps, period_ms, kinds)
 
-    def _by_kind(self, tags: np.ndarray, periods: np.ndarray) -> dict[str, StepKindSummary]:
-        """Per tagged kind: steps, mean requests and tokens, and the milliseconds from their
-        starts to the next step's (a long step, or the wait after it, counts in full)."""
+    def _gaps(self, t: np.ndarray) -> dict[str, float]:
+        """Median milliseconds from each mark to the next over the rows of `t`; a gap no row
+        had is left out."""
+        gaps = {}
+        for i in range(1, len(self.marks)):
+            gap = np.nanmedian(t[:, i] - t[:, i - 1]) if len(t) else np.nan
+            if not np.isnan(gap):
+                gaps[f"{self.marks[i - 1]}_to_{self.marks[i]}"] = round(float(gap), 4)
+        return gaps
+
+    def _by_kind(
+        self, t: np.ndarray, tags: np.ndarray, periods: np.ndarray
+    ) -> dict[str, StepKindSummary]:
+        """Per tagged kind: steps, mean requests and tokens, the milliseconds from their
+        starts to the next step's (a long step, or the wait after it, counts in full), and
+        their own median gaps (a prefill's path is not a decode's)."""
         out = {}
         for i, kind in enumerate(self.kinds):
             rows = (tags[:, 0] == i) & ~np.isnan(periods)
@@ -97,5 +112,6 @@ class StepTimeline:
                     round(float(tags[rows, 1].mean()), 2),
                     round(float(tags[rows, 2].mean()), 2),
                     round(float(periods[rows].sum()), 3),
+                    self._gaps(t[rows]),
                 )
         return out

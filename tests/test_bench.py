@@ -365,8 +365,12 @@ def test_serving_from_two_client_processes_with_a_shared_prefix(
     assert run["runner_ceiling"]["tok_s"] is None and run["of_ceiling"] is None
     assert result["warmup"]["bursts"] == []
     lines = capsys.readouterr().out.splitlines()
-    assert "every one starts with the same 4 tokens" in lines[-6]
-    assert lines[-4].startswith("runner ceiling: none (")
+    notes = lines[lines.index(next(x for x in lines if x.startswith("prompts: "))) : -3]
+    assert "every one starts with the same 4 tokens" in notes[0]
+    assert notes[-1].startswith("runner ceiling: none (")
+    # The prefills' own path through the scheduler and the runner (median ms per gap).
+    (extend,) = [x for x in notes if x.startswith("extend steps at concurrency 3: ")]
+    assert "scheduler " in extend and "runner received_to_launched " in extend
     header, row = lines[-3], lines[-1]
     assert header.split()[:3] == ["conc", "rate", "prefix"] and row.split()[2] == "4"
 
@@ -697,7 +701,9 @@ def test_warm_up_bursts() -> None:
     )
     # At most as many in flight as a run has requests: 3 for the cap of 6.
     assert [len(burst) for burst in plan.warmup] == [1, 2, 3]
-    assert {s.output_len for burst in plan.warmup for s in burst} == {16}  # --warmup-output-len
+    assert {s.output_len for burst in plan.warmup for s in burst} == {40}  # at most its own
+    plan = call_plan("--max-concurrency", "2", "--output-len", "400", buckets=(1, 4, 8))
+    assert {s.output_len for burst in plan.warmup for s in burst} == {64}  # --warmup-output-len
     plan = call_plan("--max-concurrency", "2", "--output-len", "8")
     assert [[s.output_len for s in burst] for burst in plan.warmup] == [[8, 8]]  # at most its own
     assert call_plan("--max-concurrency", "2", "--no-warmup").warmup == []
@@ -708,6 +714,35 @@ def test_warm_up_bursts() -> None:
     # Prefill captured up to 1,024 tokens, 256-token prompts: bursts of 1 to 4 as well.
     assert serving.warmup_sizes([1, 32], [1, 8, 32], [128, 512, 1024], 256) == [1, 2, 3, 4, 8, 32]
     assert serving.warmup_sizes([2], [], [4096], 128) == [1, 2]  # no more than a run has
+
+
+def test_warm_up_tops_up_the_buckets_it_did_not_meet() -> None:
+    def phase(states: dict[int, str]) -> dict[str, Any]:
+        return {"buckets": [{"bucket": b, "state": st} for b, st in states.items()]}
+
+    info = {
+        "graphs": {
+            "decode": phase({1: "captured", 8: "unseen", 16: "unseen", 24: "unseen"}),
+            "prefill": phase({128: "captured", 512: "unseen", 1024: "unseen", 2048: "unseen"}),
+        }
+    }
+    # Runs of up to 20 in flight, 256-token prompts: decode 8 and 16 by as many requests, 24
+    # by 20 (above the 16 of the bucket below); prefill 512 by 2 prompts, 1,024 by 4, 2,048
+    # by 8 (2,048 tokens, above 1,024).
+    assert serving.top_up_sizes(info, 20, 256, [128, 512, 1024, 2048]) == [2, 4, 8, 16, 20]
+    # At most 3 in flight: decode 8 (above 1), prefill 512 (2) and 1,024 (3 prompts: 768
+    # tokens, above 512); 2,048 is out of reach.
+    assert serving.top_up_sizes(info, 3, 256, [128, 512, 1024, 2048]) == [2, 3]
+    # 600-token prompts: none fits 512; 1,024 takes one (600 > 512), 2,048 three (1,800).
+    assert serving.top_up_sizes(info, 3, 600, [128, 512, 1024, 2048]) == [1, 3]
+    done = {"graphs": {"decode": phase({1: "captured"}), "prefill": phase({128: "skipped"})}}
+    assert serving.top_up_sizes(done, 20, 256, [128]) == []
+    # Fresh prompts for a top-up, distinct from the call's.
+    plan = call_plan("--max-concurrency", "4", "--input-len", "16", buckets=(1, 2, 4))
+    more = plan.draw_warmup(3, "topup0/3")
+    assert len(more) == 3 and {s.output_len for s in more} == {64}
+    prompts = [*plan.prompts(), *(s.input_ids for s in more)]
+    assert serving.longest_shared_prefix(prompts) < serving.DISTINCT_HEAD
 
 
 def test_serving_refuses_both_a_url_and_server_flags() -> None:

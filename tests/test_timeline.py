@@ -87,5 +87,7 @@ def test_steps_by_kind_count_their_long_steps_in_full() -> None:
     assert decode.requests_mean == round(8 / 3, 2)
     assert extend.ms_total >= 60.0  # both long steps, in full
     assert decode.ms_total < extend.ms_total
+    # Each kind's own median gaps: the prefills' 30 ms path apart from the decodes'.
+    assert extend.gaps_ms["start_to_done"] >= 30.0 > decode.gaps_ms["start_to_done"]
     assert summary.period_ms is not None and summary.period_ms < 30.0  # short periods only
     assert summary.cpu_s > cpu_before

@@ -35,8 +35,12 @@ can have in flight, and one per decode bucket of the server (`graphs.decode.buck
 `/get_server_info`) up to the largest of those, since a run's batch passes through the smaller
 buckets on its way up and down; where prefill has buckets, one of every count of requests
 whose prompts fit its largest together, since a run's prefill steps take however many
-arrived meanwhile. Lazy captures and first compiles then happen before timing;
-`warmup` in the JSON counts those it caused. `--no-warmup` skips it.
+arrived meanwhile. A burst does not meet its bucket for certain (its requests arrive spread
+out, are prefilled in several steps, the first finish before the last begin), so up to three
+top-up passes follow, each a burst of fresh prompts for every bucket a run can reach that the
+server still lists as unmet (`top_ups`, and `unmet` after the last). Lazy captures and first
+compiles then happen before timing; `warmup` in the JSON counts those it caused (`captured`
+names them). `--no-warmup` skips it.
 
 **The load window** of a run opens when every client process is up, right before they are told
 to go, and closes when the run's last request ends; the server's `/get_server_info` is taken at
@@ -827,6 +831,8 @@ def phase_buckets(info: dict[str, Any], phase: str) -> list[int]:
 # ---- the plan of a call --------------------------------------------------------------------
 
 DEFAULT_REQUESTS = 64  # per run, without --num-prompts
+# Passes of the warm-up's top-up: bursts again for the buckets its bursts did not meet.
+WARMUP_TOP_UPS = 3
 # Runs with more requests in flight than this get at least --min-requests-per-level.
 SHORT_RUN_IN_FLIGHT = 16
 
@@ -852,6 +858,10 @@ class CallPlan:
     warmup: list[list[RequestSpec]]
     runs: list[RunPlan]
     shared_prefix: list[int]
+    # More warm-up requests, distinct from every prompt drawn before: (count, seed) -> specs.
+    draw_warmup: Callable[[int, str], list[RequestSpec]] = dataclasses.field(
+        default=lambda num, seed: [], compare=False, repr=False
+    )
 
     def prompts(self) -> Iterator[list[int]]:
         for burst in self.warmup:
@@ -940,7 +950,41 @@ def plan_call(
     sizes = [] if ns.no_warmup else warmup_sizes(in_flight, buckets, prefill_buckets, ns.input_len)
     output_len = min(ns.warmup_output_len, ns.output_len)
     warmup = [draw(size, output_len, f"{ns.seed}/warmup{size}") for size in sizes]
-    return CallPlan(warmup, runs, prefix)
+    return CallPlan(
+        warmup, runs, prefix, lambda num, seed: draw(num, output_len, f"{ns.seed}/{seed}")
+    )
+
+
+def unseen_buckets(info: dict[str, Any], phase: str) -> list[int]:
+    """The buckets of `phase` that have a graph of their own and have not been met yet."""
+    buckets = nested(info, ("graphs", phase, "buckets")) or []
+    return sorted(b["bucket"] for b in buckets if b.get("state") == "unseen")
+
+
+def top_up_sizes(
+    info: dict[str, Any], top: int, input_len: int, prefill_buckets: Sequence[int]
+) -> list[int]:
+    """Bursts that would meet the buckets a run of at most `top` requests in flight can
+    reach and the warm-up did not: a decode bucket by as many requests as it holds (`top` at
+    most) where that is more than the bucket below holds; a prefill bucket by the most
+    `input_len` prompts that fit it together, where they overflow the bucket below. A burst
+    does not meet its bucket for certain: its requests can arrive spread out, be prefilled
+    in several steps, and the first finish before the last begin."""
+
+    def below(buckets: Sequence[int]) -> dict[int, int]:
+        return dict(zip(buckets[1:], buckets, strict=False))
+
+    sizes: set[int] = set()
+    decode_below = below(phase_buckets(info, "decode"))
+    for bucket in unseen_buckets(info, "decode"):
+        if decode_below.get(bucket, 0) < top:
+            sizes.add(min(bucket, top))
+    prefill_below = below(prefill_buckets)
+    for bucket in unseen_buckets(info, "prefill") if input_len else []:
+        count = min(bucket // input_len, top)
+        if count >= 1 and count * input_len > prefill_below.get(bucket, 0):
+            sizes.add(count)
+    return sorted(sizes)
 
 
 # ---- the call ------------------------------------------------------------------------------
@@ -985,14 +1029,36 @@ def warm_up(
     before = server_info(base_url, headers)
     start = time.perf_counter()
     errors = 0
-    for burst in plan.warmup:
-        load = run_client_load(
-            base_url, ns, headers, burst, len(burst), math.inf, ns.seed, progress=False
-        )
-        errors += sum(not r.ok for r in load.records)
+
+    def send(bursts: Sequence[list[RequestSpec]]) -> None:
+        nonlocal errors
+        for burst in bursts:
+            load = run_client_load(
+                base_url, ns, headers, burst, len(burst), math.inf, ns.seed, progress=False
+            )
+            errors += sum(not r.ok for r in load.records)
+
+    send(plan.warmup)
+    planned = [len(burst) for burst in plan.warmup]
+    top = max(planned, default=0)
+    prefill_buckets = phase_buckets(before, "prefill")
+    top_ups: list[list[int]] = []
     after = server_info(base_url, headers)
+    for attempt in range(WARMUP_TOP_UPS if plan.warmup else 0):
+        sizes = top_up_sizes(after, top, ns.input_len, prefill_buckets)
+        if not sizes:
+            break
+        bursts = [plan.draw_warmup(size, f"topup{attempt}/{size}") for size in sizes]
+        plan.warmup.extend(bursts)  # their prompts are the call's too
+        send(bursts)
+        top_ups.append(sizes)
+        after = server_info(base_url, headers)
     return {
-        "bursts": [len(burst) for burst in plan.warmup],
+        "bursts": planned,
+        # Bursts sent again for buckets a run can reach that the bursts before had not met,
+        # per pass; and the buckets still not met after the last.
+        "top_ups": top_ups,
+        "unmet": top_up_sizes(after, top, ns.input_len, prefill_buckets) if plan.warmup else [],
         "output_len": plan.warmup[0][0].output_len if plan.warmup else None,
         "errors": errors,
         "duration_s": round(time.perf_counter() - start, 3),
@@ -1158,7 +1224,21 @@ def notes(result: dict[str, Any]) -> list[str]:
         f"warm-up: bursts of {warmup['bursts']} requests, {warmup['captures']} captures and "
         f"{warmup['jit_misses']} JIT misses in it, {warmup['errors']} errors",
     ]
+    if warmup.get("top_ups") or warmup.get("unmet"):  # older results files have neither
+        lines.append(
+            f"warm-up top-ups: bursts of {warmup['top_ups']}; buckets a run can reach still "
+            f"unmet: bursts of {warmup['unmet']} would meet them"
+        )
     for run in result["runs"]:
+        paths = [
+            f"{proc} " + ", ".join(f"{gap} {ms}" for gap, ms in gaps.items())
+            for proc in ("scheduler", "runner")
+            if (gaps := step_kind(nested(run, ("timeline", proc)), "extend").get("gaps_ms"))
+        ]
+        if paths:  # a prefill's way to its first token, median ms (older files lack it)
+            lines.append(
+                f"extend steps at concurrency {run['max_concurrency']}: " + "; ".join(paths)
+            )
         if run.get("captured_in_window"):
             lines.append(
                 f"captured in the window of concurrency {run['max_concurrency']}: "
@@ -1244,8 +1324,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--warmup-output-len",
         type=int,
-        default=16,
-        help="Tokens each warm-up request asks for (at most --output-len).",
+        default=64,
+        help="Tokens each warm-up request asks for (at most --output-len): enough that a "
+        "burst's first requests are still decoding when its last arrive.",
     )
     parser.add_argument(
         "--runner-results",

@@ -5,7 +5,7 @@ ready lines read. Torch-free, so every process can read them; JSON is `dataclass
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -166,6 +166,7 @@ class StepKindSummary:
     requests_mean: float
     tokens_mean: float
     ms_total: float  # from their starts to the next step's (a long step counts in full)
+    gaps_ms: dict[str, float] = field(default_factory=dict)  # their median gaps, as below
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class RunnerLoop:
             msg = self.inbox.recv()
             if isinstance(msg, BatchPlan):
                 self.timeline.begin(msg.step)
+                self.timeline.tag_plan(msg)
                 pending.append(self.runner.launch(msg))
                 self.timeline.mark("launched")
             elif isinstance(msg, InfoReq):

@@ -19,7 +19,6 @@ from typing import TypeVar
 import numpy as np
 import zmq
 
-from srt.batch_layout import ForwardMode
 from srt.ipc.channels import (
     FROM_RUNNER,
     TO_RUNNER,
@@ -161,11 +160,7 @@ class SchedulerLoop:
 
     def _launch(self, plan: BatchPlan) -> Callable[[], BatchResult]:
         self.timeline.mark("planned")
-        self.timeline.tag(
-            ForwardMode(plan.forward_mode).name.lower(),
-            len(plan.extend_lens),
-            len(plan.input_ids),
-        )
+        self.timeline.tag_plan(plan)
         self.to_runner.send(plan)
         self.timeline.mark("sent")
         return self._result
