@@ -17,13 +17,22 @@ The import itself takes about a second even when every kernel module is built (i
 modules, TVM FFI's libraries, torch's C++ extension helpers, the CUDA query): the model runner
 starts it on a thread (`start_import`) before it initialises the device and loads the
 weights, which spend most of their time outside the interpreter, and the backend takes the
-module from there (`module`).
+module from there (`module`). Even there it slows the load (the two take turns at the GIL),
+so with the tested version only the modules the backend uses are imported (`PARTS`: the
+decode and prefill wrappers, the JIT directory), without the package's `__init__`, which
+imports every other kernel family FlashInfer has (MoE, GEMM, quantization, sampling, ...):
+about half the work on a CPU. The package object stays as that partial one, which
+is all this process uses; with another version, or if a part fails to import that way, the
+whole package is imported as usual.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
+import logging
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 
@@ -33,6 +42,10 @@ DISTRIBUTION = "flashinfer-python"
 TESTED_VERSION = "0.5.3"
 HEAD_SIZES = (64, 128, 256)
 MIN_CAPABILITY = (8, 0)
+# The package's modules the backend uses, as attributes of what `module` returns.
+PARTS = ("flashinfer.decode", "flashinfer.prefill", "flashinfer.jit.env")
+
+logger = logging.getLogger(__name__)
 
 
 _importing: Future[ModuleType] | None = None
@@ -43,7 +56,7 @@ def start_import() -> None:
     global _importing
     if _importing is None and installed():
         pool = ThreadPoolExecutor(1, thread_name_prefix="srt-flashinfer-import")
-        _importing = pool.submit(importlib.import_module, "flashinfer")
+        _importing = pool.submit(import_package)
         pool.shutdown(wait=False)  # its one job is queued; the thread ends with it
 
 
@@ -53,12 +66,41 @@ def module() -> ModuleType:
     try:
         if _importing is not None:
             return _importing.result()
-        return importlib.import_module("flashinfer")
+        return import_package()
     except ImportError as e:
         raise ImportError(
             "--attention-backend flashinfer needs the flashinfer-python package "
             "(pip install 'srt[flashinfer]'); or choose --attention-backend triton"
         ) from e
+
+
+def version() -> str | None:
+    """The installed distribution's version, read without importing it (the package takes
+    its `__version__` from there); None if it is not installed."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def import_package() -> ModuleType:
+    """The flashinfer package with `PARTS` imported: with `TESTED_VERSION`, the parts alone
+    under a package object whose `__init__` has not run; else (or if that fails) the whole."""
+    if version() != TESTED_VERSION or "flashinfer" in sys.modules:
+        return importlib.import_module("flashinfer")
+    spec = importlib.util.find_spec("flashinfer")
+    assert spec is not None and spec.submodule_search_locations is not None, "a package"
+    package = importlib.util.module_from_spec(spec)  # its path set, its code not run
+    sys.modules["flashinfer"] = package
+    try:
+        for name in PARTS:
+            importlib.import_module(name)
+    except Exception as e:  # a part that needs what only the package's __init__ sets up
+        logger.warning("flashinfer's modules alone did not import (%s); importing it whole", e)
+        for name in [m for m in sys.modules if m == "flashinfer" or m.startswith("flashinfer.")]:
+            del sys.modules[name]
+        return importlib.import_module("flashinfer")
+    return package
 
 
 def installed() -> bool:

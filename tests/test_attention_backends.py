@@ -447,6 +447,57 @@ def test_flashinfer_imports_on_a_thread_of_its_own(
         sys.modules.pop("flashinfer", None)
 
 
+def stand_in_flashinfer(root: Path, version: str, part_needs_init: bool) -> None:
+    """A package named flashinfer under `root`, installed as `flashinfer-python` `version`:
+    its `__init__` notes that it ran; its parts (`PARTS`) are there, the prefill one
+    importing only after the `__init__` if `part_needs_init`."""
+    package = root / "flashinfer"
+    (package / "jit").mkdir(parents=True)
+    (package / "__init__.py").write_text("init_ran = True\nfrom . import decode, prefill\n")
+    (package / "decode.py").write_text("from .jit import env\nWrapper = 'decode'\n")
+    check = "import flashinfer\nassert flashinfer.init_ran\n" if part_needs_init else ""
+    (package / "prefill.py").write_text(check + "Wrapper = 'prefill'\n")
+    (package / "jit" / "__init__.py").write_text("")
+    (package / "jit" / "env.py").write_text("FLASHINFER_JIT_DIR = 'jit'\n")
+    dist = root / f"flashinfer_python-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: flashinfer-python\nVersion: {version}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("version", "part_needs_init", "whole"),
+    [
+        (flashinfer_support.TESTED_VERSION, False, False),  # its parts alone
+        ("0.0.1", False, True),  # another version: as it comes
+        (flashinfer_support.TESTED_VERSION, True, True),  # a part needs the rest: as it comes
+    ],
+)
+def test_flashinfer_imports_only_the_parts_the_backend_uses(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    version: str,
+    part_needs_init: bool,
+    whole: bool,
+) -> None:
+    stand_in_flashinfer(tmp_path, version, part_needs_init)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.split(".")[0] == "flashinfer"]:
+        monkeypatch.delitem(sys.modules, name)  # a real one comes back after
+    try:
+        assert flashinfer_support.version() == version
+        module = flashinfer_support.import_package()
+        assert getattr(module, "init_ran", False) is whole
+        assert (module.decode.Wrapper, module.prefill.Wrapper) == ("decode", "prefill")
+        assert module.jit.env.FLASHINFER_JIT_DIR == "jit"
+        assert flashinfer_support.import_package() is module  # once
+    finally:
+        # The stand-in must not outlive the test: later ones would take it for FlashInfer.
+        for name in [m for m in sys.modules if m.split(".")[0] == "flashinfer"]:
+            sys.modules.pop(name)
+
+
 def test_flashinfer_missing_is_refused_with_the_flags() -> None:
     if flashinfer_support.installed():
         pytest.skip("flashinfer is installed")

@@ -50,7 +50,6 @@ table row 0) and their rows are zeroed.
 from __future__ import annotations
 
 import enum
-import importlib.metadata
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,7 +151,7 @@ class DecodePages:
                 self.indptr_host, indices, self.last_page_len_host, *heads, **p.plan_kwargs()
             )
         else:
-            flashinfer_support.module().fast_decode_plan(
+            flashinfer_support.module().decode.fast_decode_plan(
                 wrapper,
                 self.indptr,
                 self.indices,
@@ -247,7 +246,7 @@ class FlashInferBackend(AttentionBackend):
         # Where FlashInfer put its JIT directory when it was imported (a module constant).
         logger.info(
             "flashinfer %s: kernels JIT-compile into %s",
-            self.fi.__version__,
+            flashinfer_support.version(),
             self.fi.jit.env.FLASHINFER_JIT_DIR,
         )
 
@@ -260,7 +259,7 @@ class FlashInferBackend(AttentionBackend):
     def kernel_versions(cls) -> dict[str, str]:
         # The installed distribution's, read without importing it (the same as its
         # __version__: the package takes it from there).
-        return {"flashinfer": importlib.metadata.version(flashinfer_support.DISTRIBUTION)}
+        return {"flashinfer": flashinfer_support.version() or "not installed"}
 
     def _workspace(self, device: torch.device) -> torch.Tensor:
         if self.workspace is None:
@@ -278,12 +277,12 @@ class FlashInferBackend(AttentionBackend):
 
     def _make_wrapper(self, kind: StepKind, workspace: torch.Tensor) -> Any:
         if kind is StepKind.DECODE:
-            return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            return self.fi.decode.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend="fa2"
             )
         if kind is StepKind.RAGGED:
-            return self.fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
-        return self.fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+            return self.fi.prefill.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        return self.fi.prefill.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
 
     def _prepare(self, step: FlashInferStep) -> FlashInferStep:
         """Plan `step` now where the precision is known (else its first layer will)."""
@@ -410,7 +409,7 @@ class FlashInferBackend(AttentionBackend):
         wrapper = self.graph_wrappers.get(bucket)
         if wrapper is None:
             wrapper = self.graph_wrappers[bucket] = PlannedWrapper(
-                self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.fi.decode.BatchDecodeWithPagedKVCacheWrapper(
                     self._workspace(device),
                     "NHD",
                     use_cuda_graph=True,
