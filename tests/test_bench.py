@@ -28,6 +28,7 @@ from srt.bench.runner_ceiling import RunnerFigures
 from srt.bench.serving import RequestRecord, RequestSpec, metrics, run_load
 from srt.model_config import ModelConfig
 from srt.model_executor.model_loader import load_model
+from srt.profiling import summarize_trace
 from srt.tools import make_random_checkpoint, model_shapes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -179,9 +180,12 @@ def test_trace_summary_counts_kernels_and_waits() -> None:
         linked(event("cudaMemcpyAsync", "cuda_runtime", 20), 8),  # an upload: host work
         event("cudaLaunchKernel", "cuda_runtime", 5),
     ] * 2
-    summary = one_batch.summarize_trace({"traceEvents": steps + kernels + copies + waits})
+    summary = summarize_trace(
+        {"traceEvents": steps + kernels + copies + waits}, 10, one_batch.STEP_ANNOTATION
+    )
     assert summary["steps"] == 2
     assert summary["wall_ms_per_step"] == 1.0
+    assert summary["device_span_ms"] == 0.3  # all begin at 0; the longest lasts 300 us
     assert summary["kernels_per_step"] == 5  # memcpys are device time, not kernels
     assert summary["gpu_ms_per_step"] == pytest.approx((1200 + 300 + 20) / 2 / 1000)
     assert summary["wait_ms_per_step"] == pytest.approx(0.4)
@@ -250,10 +254,17 @@ def test_serving_against_a_running_server(
             str(runner_results),
             "--output-file",
             str(out),
+            *("--profile-steps", "3", "--profile-delay", "0", "--profile-dir", str(tmp_path)),
         ]
     )
     result = json.loads(out.read_text())
     assert [r["max_concurrency"] for r in result["runs"]] == [1, 3]
+    # The runner profiled three steps of each run, from the window's opening.
+    for run in result["runs"]:
+        profile = run["runner_profile"]
+        assert profile["steps"] == 3 and profile["summary"]["steps"] == 3, profile
+        assert Path(profile["trace"]).parent == tmp_path and profile["error"] is None
+    assert len({run["runner_profile"]["trace"] for run in result["runs"]}) == 2  # one each
     # A burst per run, all in flight, before the first (the CPU server has no graph buckets).
     assert result["warmup"]["bursts"] == [1, 3] and result["warmup"]["errors"] == 0
     assert result["prompts"]["count"] == 1 + 3 + 5 + 3
@@ -306,6 +317,7 @@ def test_serving_against_a_running_server(
     for title in ("of ceiling", "steady tok/s", "captures in window", "JIT misses in window"):
         assert title in lines[-4]
     assert any(line.startswith("runner ceiling: from ") for line in lines[:-4])
+    assert any(line.startswith("runner profile at concurrency 1: 3 steps") for line in lines)
 
 
 def test_serving_counts_refused_and_short_requests(server: ServerProcess) -> None:

@@ -790,6 +790,11 @@ def test_server_info_and_metrics(server: ServerProcess) -> None:
     assert {"received_to_launched", "launched_to_result_sent"} <= set(
         info["runner"]["timeline"]["gaps_ms"]
     )
+    # Each step kind's own path, in the scheduler and the runner alike.
+    for proc in ("scheduler", "runner"):
+        kinds = info[proc]["timeline"]["kinds"]
+        assert {"extend", "decode"} <= set(kinds), proc
+        assert all(kinds[k]["gaps_ms"] for k in ("extend", "decode")), proc
     assert info["tokenizer"]["timeline"]["gaps_ms"]["received_to_routed"] >= 0
     # Each generate call's own marks: sent to the scheduler, its first token, its end.
     requests = info["tokenizer"]["requests"]
@@ -827,6 +832,38 @@ def test_server_info_and_metrics(server: ServerProcess) -> None:
         "srt_startup_seconds",
     ):
         assert gauge in samples
+
+
+def test_profile_the_runner(server: ServerProcess, tmp_path: Path) -> None:
+    """SGLang's /start_profile and /stop_profile: the runner records its next steps, writes
+    the trace, and says per step what it holds; bad values are 400 and it serves on."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
+    started = post(server, "/start_profile", {"output_dir": str(tmp_path), "num_steps": 4})
+    assert started.status_code == 200, started.text
+    assert started.json()["recording"] and started.json()["trace"].startswith(str(tmp_path))
+    again = post(server, "/start_profile", {"num_steps": 2}).json()
+    assert "already" in again["message"] and again["trace"] == started.json()["trace"]
+    assert post(server, "/generate", body).status_code == 200  # 6 steps: the first 4 recorded
+    done = post(server, "/stop_profile").json()  # it stopped itself after 4; this reads it
+    assert not done["recording"] and done["steps"] == 4
+    assert Path(done["trace"]).is_file() and done["trace"].endswith(".trace.json.gz")
+    summary = done["summary"]
+    assert summary["steps"] == 4 and summary["wall_ms_per_step"] > 0
+    assert summary["top_host_ops"]  # the CPU's ops; on CUDA its kernels too
+    # Until /stop_profile: as many steps as ran.
+    assert post(server, "/start_profile", {"output_dir": str(tmp_path / "b")}).status_code == 200
+    assert post(server, "/generate", body).status_code == 200
+    open_ended = httpx.get(f"{server.url}/stop_profile", headers=server.headers).json()
+    assert open_ended["steps"] == 6 and open_ended["summary"]["steps"] == 6
+    for bad in ({"num_steps": 0}, {"activities": ["CPU"]}, {"output_dir": 5}):
+        refused = post(server, "/start_profile", bad)
+        assert refused.status_code == 400, (bad, refused.text)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    refused = post(server, "/start_profile", {"output_dir": str(blocked / "under")})
+    assert refused.status_code == 400 and "directory" in refused.json()["error"]["message"]
+    assert not post(server, "/stop_profile").json()["recording"]  # none was started
+    assert post(server, "/generate", body).status_code == 200
 
 
 def test_an_event_stays_one_line_whatever_the_text() -> None:

@@ -22,7 +22,6 @@ batch size is appended to `--result-file`; the table is printed last.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import logging
@@ -44,14 +43,13 @@ from srt.model_config import ModelConfig
 from srt.model_executor.graphs.config import Phase
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.rank_processes import running_ranks
+from srt.profiling import profiler_for, summarize_trace
 from srt.server_args import ServerArgs
 from srt.tools.make_tiny_model import resolve_model_path
 from srt.tools.model_shapes import MODEL_SHAPES, write_model_shape
 
 STEP_ANNOTATION = "srt_decode_step"
 PREFILL_ANNOTATION = "srt_prefill_step"
-# Device activity in a Kineto trace.
-_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 @dataclasses.dataclass
@@ -170,21 +168,17 @@ def run_overlapped(runner: ModelRunner, reqs: Requests) -> Overlapped:
     return Overlapped(step_s, launch_s, np.stack(sampled, axis=1))
 
 
-def profiler_for(runner: ModelRunner) -> Any:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if runner.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities)
-
-
 def profile_decode(
     runner: ModelRunner, reqs: Requests, trace: Path, top: int = 25
 ) -> dict[str, Any]:
     """Profile one run's decode steps (warm), write the Kineto trace, summarise it."""
-    prof = profiler_for(runner)
+    prof = profiler_for(runner.device)
     run_once(runner, reqs, prof)  # it records the decode steps alone
     prof.export_chrome_trace(str(trace))
-    return {"trace": str(trace), **summarize_trace(json.loads(trace.read_text()), top)}
+    return {
+        "trace": str(trace),
+        **summarize_trace(json.loads(trace.read_text()), top, STEP_ANNOTATION),
+    }
 
 
 def profile_prefill(
@@ -192,7 +186,7 @@ def profile_prefill(
 ) -> dict[str, Any]:
     """Profile `runs` warm prefills of the batch's prompts, each waited for (its ids read
     back: `forward` waits), write the Kineto trace, summarise it per prefill step."""
-    prof = profiler_for(runner)
+    prof = profiler_for(runner.device)
     with prof:
         for _ in range(runs):
             with torch.profiler.record_function(PREFILL_ANNOTATION):
@@ -200,71 +194,6 @@ def profile_prefill(
     prof.export_chrome_trace(str(trace))
     summary = summarize_trace(json.loads(trace.read_text()), top, PREFILL_ANNOTATION)
     return {"trace": str(trace), **summary}
-
-
-def summarize_trace(
-    trace: dict[str, Any], top: int = 10, annotation: str = STEP_ANNOTATION
-) -> dict[str, Any]:
-    """Per step (the trace's `annotation` events; it holds those steps only): wall ms, device
-    busy ms and kernel count,
-    host ms (wall less the time the host sat waiting for the device), the top kernels, the
-    top host ops and CUDA runtime calls."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    steps = [e for e in events if e.get("name") == annotation and e.get("cat") == "user_annotation"]
-    n = max(len(steps), 1)
-    device = [e for e in events if e.get("cat") in _DEVICE_CATEGORIES]
-    # The host waits in a synchronize call, or in the copy of a result to pageable memory,
-    # which returns only once the copy (so everything queued before it) is done.
-    to_host = {
-        e.get("args", {}).get("correlation")
-        for e in device
-        if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")
-    }
-    waits = [
-        e
-        for e in events
-        if e.get("cat") == "cuda_runtime"
-        and ("Synchronize" in e.get("name", "") or e.get("args", {}).get("correlation") in to_host)
-    ]
-    per_kernel: dict[str, list[float]] = collections.defaultdict(list)
-    for e in device:
-        per_kernel[e["name"]].append(e["dur"] / 1000)
-    device_ms = sum(sum(d) for d in per_kernel.values())
-    wall_ms = sum(e["dur"] for e in steps) / 1000
-    wait_ms = sum(e["dur"] for e in waits) / 1000
-    ranked = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
-
-    def host_ranking(category: str) -> list[dict[str, Any]]:
-        """The host side by name: torch ops (times include the ops they call) or CUDA runtime
-        calls (launches, copies, synchronisations), ms and calls per step."""
-        calls: dict[str, list[float]] = collections.defaultdict(list)
-        for e in events:
-            if e.get("cat") == category:
-                calls[e["name"]].append(e["dur"] / 1000)
-        return [
-            {"name": name, "ms_per_step": round(sum(d) / n, 4), "calls_per_step": len(d) / n}
-            for name, d in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:top]
-        ]
-
-    return {
-        "steps": len(steps),
-        "wall_ms_per_step": round(wall_ms / n, 3),
-        "gpu_ms_per_step": round(device_ms / n, 3),
-        "kernels_per_step": round(sum(e.get("cat") == "kernel" for e in device) / n, 1),
-        "host_ms_per_step": round((wall_ms - wait_ms) / n, 3),
-        "wait_ms_per_step": round(wait_ms / n, 3),
-        "top_kernels": [
-            {
-                "name": name,
-                "ms_per_step": round(sum(d) / n, 4),
-                "calls_per_step": len(d) / n,
-                "share": round(sum(d) / device_ms, 3) if device_ms else None,
-            }
-            for name, d in ranked
-        ],
-        "top_host_ops": host_ranking("cpu_op"),
-        "top_runtime_calls": host_ranking("cuda_runtime"),
-    }
 
 
 def bench(

@@ -42,6 +42,14 @@ server still lists as unmet (`top_ups`, and `unmet` after the last). Lazy captur
 compiles then happen before timing; `warmup` in the JSON counts those it caused (`captured`
 names them). `--no-warmup` skips it.
 
+**A profile of the runner** (`--profile-steps N`): the server's runner records N steps of
+each run under `torch.profiler`, from `--profile-delay` seconds after the run's window opens
+(`/start_profile`, `/stop_profile`); `runner_profile` in the run's JSON holds the trace file
+and its summary per step (the device's span and busy time, kernels, the launch's host time,
+the top kernels and host calls), a line of the notes the same. The profiler slows the host,
+and its start and end each drain the steps in flight: a profiled call is for seeing where the
+time goes, its figures are not the unprofiled ones.
+
 **The load window** of a run opens when every client process is up, right before they are told
 to go, and closes when the run's last request ends; the server's `/get_server_info` is taken at
 both ends. Over that window:
@@ -115,6 +123,7 @@ import os
 import random
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -1068,6 +1077,36 @@ def warm_up(
     }
 
 
+class RunProfile:
+    """`--profile-steps`: the server's runner profiled over that many steps of a run, from
+    `--profile-delay` seconds after its load window opens (past the ramp-up); the outcome of
+    `/stop_profile` (trace file, per-step summary) once the run is over."""
+
+    def __init__(
+        self, base_url: str, headers: dict[str, str] | None, ns: argparse.Namespace
+    ) -> None:
+        self.base_url, self.headers = base_url, headers
+        body = {"num_steps": ns.profile_steps, "output_dir": ns.profile_dir}
+        self.timer = threading.Timer(ns.profile_delay, self._post, ("/start_profile", body))
+        self.error: str | None = None
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        resp = httpx.post(f"{self.base_url}{path}", json=body, headers=self.headers, timeout=60)
+        if resp.status_code != 200:
+            self.error = f"{path}: HTTP {resp.status_code}: {resp.text[:200]}"
+        return dict(resp.json())
+
+    def start(self) -> None:
+        self.timer.start()
+
+    def outcome(self) -> dict[str, Any]:
+        """What the profile recorded (nothing if the run ended before the delay)."""
+        self.timer.cancel()
+        self.timer.join()
+        stopped = self._post("/stop_profile")
+        return {**stopped, "error": self.error} if self.error else stopped
+
+
 def timed_run(
     base_url: str,
     ns: argparse.Namespace,
@@ -1076,8 +1115,17 @@ def timed_run(
     runner: RunnerFigures,
 ) -> dict[str, Any]:
     """One timed run and its figures: whole run, steady window, the server's load window,
-    the KV slots once it is over, the client's share, the runner ceiling."""
-    window = LoadWindow(lambda since: server_info(base_url, headers, since))
+    the KV slots once it is over, the client's share, the runner ceiling; with
+    `--profile-steps`, the runner's profile over part of it."""
+    profile = RunProfile(base_url, headers, ns) if ns.profile_steps else None
+
+    def sample(since: float | None) -> dict[str, Any]:
+        info = server_info(base_url, headers, since)
+        if since is None and profile is not None:  # the window opens
+            profile.start()
+        return info
+
+    window = LoadWindow(sample)
     load = run_client_load(
         base_url, ns, headers, run.specs, run.max_concurrency, ns.request_rate, run.seed, window
     )
@@ -1097,6 +1145,8 @@ def timed_run(
         # The client's own share: a saturated client under-reports the server.
         **load.figures(),
     }
+    if profile is not None:
+        figures["runner_profile"] = profile.outcome()
     batch = step_kind(figures["timeline"]["scheduler"], "decode").get("requests_mean")
     ceiling = runner.ceiling(batch, ns.output_len)
     figures["runner_ceiling"] = ceiling
@@ -1239,6 +1289,15 @@ def notes(result: dict[str, Any]) -> list[str]:
             lines.append(
                 f"extend steps at concurrency {run['max_concurrency']}: " + "; ".join(paths)
             )
+        summary = (run.get("runner_profile") or {}).get("summary")
+        if summary and summary["steps"]:
+            lines.append(
+                f"runner profile at concurrency {run['max_concurrency']}: {summary['steps']} "
+                f"steps, {summary['device_span_ms'] / summary['steps']:.3f} ms of device span "
+                f"and {summary['gpu_ms_per_step']} busy a step, "
+                f"{summary['kernels_per_step']} kernels, launch host "
+                f"{summary['wall_ms_per_step']} ms ({run['runner_profile']['trace']})"
+            )
         if run.get("captured_in_window"):
             lines.append(
                 f"captured in the window of concurrency {run['max_concurrency']}: "
@@ -1322,6 +1381,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="No untimed bursts before the first run.",
     )
     parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=None,
+        help="Profile the server's runner over this many steps of each run (its "
+        "/start_profile, /stop_profile); the trace and its summary per step are in the run's "
+        "runner_profile. The profiler slows the runner: a profiled run's figures are not "
+        "the unprofiled ones.",
+    )
+    parser.add_argument(
+        "--profile-delay",
+        type=float,
+        default=1.0,
+        help="Seconds after a run's load window opens that its profile starts.",
+    )
+    parser.add_argument(
+        "--profile-dir",
+        default=None,
+        help="The server's directory for the traces (default: its own, $SRT_PROFILE_DIR or "
+        "the temporary directory).",
+    )
+    parser.add_argument(
         "--warmup-output-len",
         type=int,
         default=64,
@@ -1381,6 +1461,8 @@ def check_args(parser: argparse.ArgumentParser, ns: argparse.Namespace, flags: l
         parser.error("--num-prompts takes one value or one per --max-concurrency value")
     if ns.min_requests_per_level < 1:
         parser.error("--min-requests-per-level must be positive")
+    if (ns.profile_steps is not None and ns.profile_steps < 1) or ns.profile_delay < 0:
+        parser.error("--profile-steps must be positive and --profile-delay at least 0")
     if not 0 < ns.range_ratio <= 1 or ns.request_rate <= 0 or min(ns.max_concurrency) < 0:
         parser.error(
             "--range-ratio must be in (0, 1], --request-rate positive, --max-concurrency at least 0"

@@ -4,9 +4,11 @@ per step (a plan, a result, a step's outputs) is a few arrays, never a Python ob
 Each message derives from the direction it travels in, and each channel (`channels.py`) takes
 only its direction's messages:
 
-    ToScheduler   tokenizer -> scheduler   GenerateReq, AbortReq, FlushCacheReq, InfoReq
-    ToRunner      scheduler -> runner      BatchPlan, InfoReq (passed on)
-    FromRunner    runner -> scheduler      RunnerReady, BatchResult, RunnerInfoReply
+    ToScheduler   tokenizer -> scheduler   GenerateReq, AbortReq, FlushCacheReq, InfoReq,
+                                           ProfileReq
+    ToRunner      scheduler -> runner      BatchPlan, InfoReq, ProfileReq (passed on)
+    FromRunner    runner -> scheduler      RunnerReady, BatchResult, RunnerInfoReply,
+                                           ProfileReply
     ToTokenizer   scheduler -> tokenizer   StepOutputs, Replies
 
 With several tokenizer workers (--tokenizer-worker-num), each message to the scheduler names
@@ -23,7 +25,7 @@ import numpy as np
 
 from srt.batch_layout import ForwardMode
 from srt.ipc.array_pickle import PackedArrays
-from srt.ipc.reports import RunnerInfo, SchedulerInfo, TimelineSummary
+from srt.ipc.reports import ProfileOutcome, RunnerInfo, SchedulerInfo, TimelineSummary
 from srt.sampling_params import SamplingParams
 
 
@@ -383,11 +385,43 @@ class InfoOutput:
 
 
 @dataclass
+class ProfileReq(ToScheduler, ToRunner):
+    """tokenizer -> scheduler -> runner: start profiling the runner's next steps (`start`:
+    at most `num_steps` of them, None: until stopped; the trace into `output_dir`, None: the
+    runner's default), or stop it and say what it recorded."""
+
+    req_id: int
+    start: bool
+    output_dir: str | None = None
+    num_steps: int | None = None
+    tokenizer_worker: int = 0
+
+
+@dataclass
+class ProfileReply(FromRunner):
+    """The runner's answer to a ProfileReq, after the results of the steps before it."""
+
+    outcome: ProfileOutcome
+
+
+@dataclass
+class ProfileOutput:
+    """The scheduler's answer to a ProfileReq: the runner's."""
+
+    req_id: int
+    outcome: ProfileOutcome
+
+
+# What the scheduler answers a tokenizer worker's message with, between steps.
+Reply = TokenOutput | FlushCacheOutput | InfoOutput | ProfileOutput
+
+
+@dataclass
 class Replies(ToTokenizer):
     """The scheduler's answers to what one turn of its inbox brought: a refused request's
-    error, a flush's outcome, live info."""
+    error, a flush's outcome, live info, a profile's."""
 
-    items: list[TokenOutput | FlushCacheOutput | InfoOutput]
+    items: list[Reply]
 
 
 @dataclass

@@ -228,3 +228,18 @@ class ServerStartup:
 def jsonable(record: object) -> Any:
     """A record (or anything holding records) as JSON data: dicts, lists and scalars."""
     return orjson.loads(orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS))
+
+
+@dataclass(frozen=True)
+class ProfileOutcome:
+    """Where the runner's profile stands (`/start_profile`, `/stop_profile`): whether one is
+    recording, the steps it has, its trace file, and once it is written the trace's summary
+    per step (`srt.profiling.summarize_trace`); `message` says what happened, `error` why a
+    request was refused (a bad value: the runner serves on)."""
+
+    recording: bool
+    steps: int
+    trace: str | None
+    message: str
+    summary: dict[str, Any] | None = None
+    error: str | None = None

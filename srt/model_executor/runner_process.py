@@ -18,10 +18,18 @@ from collections import deque
 import zmq
 
 from srt.ipc.channels import FROM_RUNNER, TO_RUNNER, Endpoints, Receiver, Sender
-from srt.ipc.messages import BatchPlan, InfoReq, RunnerInfoReply, RunnerReady
-from srt.ipc.reports import RunnerInfo
+from srt.ipc.messages import (
+    BatchPlan,
+    InfoReq,
+    ProfileReply,
+    ProfileReq,
+    RunnerInfoReply,
+    RunnerReady,
+)
+from srt.ipc.reports import ProfileOutcome, RunnerInfo
 from srt.model_config import ModelConfig
 from srt.model_executor.model_runner import ModelRunner, PendingResult
+from srt.model_executor.runner_profiler import RunnerProfiler
 from srt.process import ReadyPipe, run_child
 from srt.server_args import ServerArgs
 from srt.timeline import StepTimeline
@@ -45,6 +53,7 @@ class RunnerLoop:
         self.results.send(RunnerReady(self.runner.num_slots, self.runner.context_length))
         # Per step: plan received, launched (on CUDA, queued on the device), result sent.
         self.timeline = StepTimeline(("received", "launched", "result_sent"))
+        self.profiler = RunnerProfiler(self.runner.device)  # on request only
 
     def _send_ready(self, pending: deque[PendingResult], wait: bool = False) -> None:
         """Send the results that are on the host, oldest first (with `wait`, all of them)."""
@@ -66,14 +75,29 @@ class RunnerLoop:
             if isinstance(msg, BatchPlan):
                 self.timeline.begin(msg.step)
                 self.timeline.tag_plan(msg)
-                pending.append(self.runner.launch(msg))
+                with self.profiler.step():
+                    pending.append(self.runner.launch(msg))
                 self.timeline.mark("launched")
+                if self.profiler.due:
+                    self._send_ready(pending, wait=True)  # its steps' kernels in the trace
+                    self.profiler.stop()
             elif isinstance(msg, InfoReq):
                 self._send_ready(pending, wait=True)
                 timeline = self.timeline.summary(msg.timeline_since)
                 self.results.send(RunnerInfoReply(self.runner.info(), timeline))
+            elif isinstance(msg, ProfileReq):
+                self._send_ready(pending, wait=True)  # a profile holds whole steps
+                self.results.send(ProfileReply(self._profile(msg)))
             else:
                 raise TypeError(f"model runner got an unexpected message {type(msg).__name__}")
+
+    def _profile(self, msg: ProfileReq) -> ProfileOutcome:
+        if not msg.start:
+            return self.profiler.stop()
+        try:
+            return self.profiler.start(msg.output_dir, msg.num_steps)
+        except ValueError as e:  # a bad request, answered; the runner serves on
+            return self.profiler.outcome("not started", error=str(e))
 
 
 class FollowerLoop:

@@ -37,7 +37,11 @@ from srt.ipc.messages import (
     GenerateReq,
     InfoOutput,
     InfoReq,
+    ProfileOutput,
+    ProfileReply,
+    ProfileReq,
     Replies,
+    Reply,
     RunnerInfoReply,
     RunnerReady,
     StepOutputs,
@@ -94,9 +98,7 @@ class OutputRoutes:
         for worker in np.unique(workers).tolist():
             self.senders[worker].send(outputs.take(workers == worker))
 
-    def send_replies(
-        self, replies: dict[int, list[TokenOutput | FlushCacheOutput | InfoOutput]]
-    ) -> None:
+    def send_replies(self, replies: dict[int, list[Reply]]) -> None:
         """Answers to one turn of the inbox, by the worker whose message each answers."""
         for worker, items in replies.items():
             self.senders[worker].send(Replies(items))
@@ -180,7 +182,7 @@ class SchedulerLoop:
         self.routes.send_outputs(outputs)
 
     def _handle_inbox(self) -> None:
-        replies: dict[int, list[TokenOutput | FlushCacheOutput | InfoOutput]] = {}
+        replies: dict[int, list[Reply]] = {}
         while True:
             try:
                 msg = self.inbox.recv(zmq.NOBLOCK)
@@ -191,7 +193,7 @@ class SchedulerLoop:
                 replies.setdefault(msg.tokenizer_worker, []).append(reply)
         self.routes.send_replies(replies)
 
-    def _handle(self, msg: ToScheduler) -> TokenOutput | FlushCacheOutput | InfoOutput | None:
+    def _handle(self, msg: ToScheduler) -> Reply | None:
         if isinstance(msg, GenerateReq):
             try:
                 self.scheduler.add_request(msg)
@@ -216,6 +218,11 @@ class SchedulerLoop:
             return InfoOutput(
                 msg.req_id, self.scheduler.info(), timeline, runner.info, runner.timeline
             )
+        if isinstance(msg, ProfileReq):
+            # The runner answers after the results of the steps in flight: take them first.
+            self._send_outputs(self.scheduler.drain())
+            self.to_runner.send(msg)
+            return ProfileOutput(msg.req_id, self._from_runner(ProfileReply).outcome)
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 
 

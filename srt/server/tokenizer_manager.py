@@ -30,12 +30,15 @@ from srt.ipc.messages import (
     GenerateReq,
     InfoOutput,
     InfoReq,
+    ProfileOutput,
+    ProfileReq,
     Replies,
+    Reply,
     StepOutputs,
     TokenOutput,
     ToTokenizer,
 )
-from srt.ipc.reports import ServerStartup
+from srt.ipc.reports import ProfileOutcome, ServerStartup
 from srt.model_config import ModelConfig
 from srt.request_limits import RequestLimits
 from srt.server.hf_tokenizer import load_tokenizer
@@ -116,9 +119,10 @@ class TokenizerManager:
         self.inbox = Receiver(self.ctx, endpoints, to_tokenizer(worker))
         self.to_scheduler = Sender(self.ctx, endpoints, TO_SCHEDULER)
         self.seq_mailboxes: dict[str, Mailbox] = {}
-        self.info_waiters: dict[int, asyncio.Future[InfoOutput]] = {}
+        # Who waits for the scheduler's answer to an InfoReq or a ProfileReq, by its req_id.
+        self.answer_waiters: dict[int, asyncio.Future[Any]] = {}
         self.flush_waiters: deque[asyncio.Future[bool]] = deque()
-        self.info_ids = itertools.count()
+        self.answer_ids = itertools.count()
         # Per step's outputs: received, routed to the sequences' queues.
         self.timeline = StepTimeline(("received", "routed"))
         # Per `generate` call, from its start (the request prepared) to its sequences sent to
@@ -149,7 +153,7 @@ class TokenizerManager:
         ended = len(self.seq_mailboxes)
         for rid, mailbox in self.seq_mailboxes.items():
             mailbox.put(TokenOutput(rid, [], finished_reason="abort", error=reason))
-        waiters: list[asyncio.Future[Any]] = [*self.info_waiters.values(), *self.flush_waiters]
+        waiters: list[asyncio.Future[Any]] = [*self.answer_waiters.values(), *self.flush_waiters]
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_exception(ServerNotReady(reason))
@@ -172,7 +176,7 @@ class TokenizerManager:
     def _route(self, received: ToTokenizer) -> None:
         self.timeline.begin()
         # A step's outputs come packed in one message; replies come together.
-        msgs: list[TokenOutput] | list[TokenOutput | FlushCacheOutput | InfoOutput]
+        msgs: list[TokenOutput] | list[Reply]
         if isinstance(received, StepOutputs):
             msgs = received.unpack()
         elif isinstance(received, Replies):
@@ -185,10 +189,10 @@ class TokenizerManager:
                 mailbox = self.seq_mailboxes.get(msg.rid)
                 if mailbox is not None:  # else: aborted here, the scheduler's echo
                     mailbox.put(msg)
-            elif isinstance(msg, InfoOutput):
-                info_waiter = self.info_waiters.pop(msg.req_id, None)
-                if info_waiter is not None and not info_waiter.done():
-                    info_waiter.set_result(msg)
+            elif isinstance(msg, InfoOutput | ProfileOutput):
+                answer_waiter = self.answer_waiters.pop(msg.req_id, None)
+                if answer_waiter is not None and not answer_waiter.done():
+                    answer_waiter.set_result(msg)
             elif isinstance(msg, FlushCacheOutput):
                 flush_waiter = self.flush_waiters.popleft()
                 if not flush_waiter.done():
@@ -203,15 +207,32 @@ class TokenizerManager:
     async def get_info(self, timeline_since: float | None = None) -> InfoOutput:
         """Live scheduler and runner state (asks through the scheduler, between steps); their
         step timelines over the steps begun since `timeline_since`, if given."""
+        info: InfoOutput = await self._ask(
+            lambda req_id: InfoReq(req_id, timeline_since, self.worker)
+        )
+        return info
+
+    async def profile(
+        self, start: bool, output_dir: str | None = None, num_steps: int | None = None
+    ) -> ProfileOutcome:
+        """Start profiling the runner's next steps (at most `num_steps`), or stop it; what
+        the profile holds (`srt.model_executor.runner_profiler`)."""
+        answer: ProfileOutput = await self._ask(
+            lambda req_id: ProfileReq(req_id, start, output_dir, num_steps, self.worker)
+        )
+        return answer.outcome
+
+    async def _ask(self, message: Callable[[int], InfoReq | ProfileReq]) -> Any:
+        """Send the scheduler `message(req_id)` and wait for its answer of that req_id."""
         self.check_ready()
-        req_id = next(self.info_ids)
+        req_id = next(self.answer_ids)
         waiter = asyncio.get_running_loop().create_future()
-        self.info_waiters[req_id] = waiter
-        self.to_scheduler.send(InfoReq(req_id, timeline_since, self.worker))
+        self.answer_waiters[req_id] = waiter
+        self.to_scheduler.send(message(req_id))
         try:
             return await waiter
         finally:
-            self.info_waiters.pop(req_id, None)
+            self.answer_waiters.pop(req_id, None)
 
     async def flush_cache(self) -> bool:
         self.check_ready()

@@ -1,4 +1,5 @@
-"""The server's own endpoints: health, live info, Prometheus metrics, flushing the prefix cache."""
+"""The server's own endpoints: health, live info, Prometheus metrics, flushing the prefix cache,
+profiling the model runner (SGLang's `/start_profile` and `/stop_profile`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
 
 from srt.ipc.reports import TimelineSummary, jsonable
 from srt.process import process_cpu_s
@@ -16,6 +18,16 @@ from srt.server.http.common import OrjsonResponse, error_response
 from srt.server.tokenizer_manager import TokenizerManager
 
 HEALTH_PATH = "/health"  # open without the API key, for load balancers
+
+
+class ProfileRequest(BaseModel):
+    """`/start_profile`'s body, optional (SGLang's names; its other fields are refused, not
+    ignored): the trace's directory (default `$SRT_PROFILE_DIR`, else the temporary one) and
+    the most steps to record (default: until `/stop_profile`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    output_dir: str | None = None
+    num_steps: int | None = Field(default=None, ge=1)
 
 
 def internal_state(scheduler_timeline: TimelineSummary) -> dict[str, Any]:
@@ -105,5 +117,20 @@ def server_router(manager: TokenizerManager) -> APIRouter:
         if await manager.flush_cache():
             return OrjsonResponse({"success": True})
         return error_response(400, "cannot flush the cache while requests are in flight")
+
+    @router.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(body: ProfileRequest | None = None) -> Response:
+        """Profile the runner's next steps; the answer names the trace file."""
+        req = body or ProfileRequest()
+        outcome = await manager.profile(True, req.output_dir, req.num_steps)
+        if outcome.error is not None:
+            return error_response(400, outcome.error)
+        return OrjsonResponse(jsonable(outcome))
+
+    @router.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> Response:
+        """End the profile (or take the last one's, if it ended by its step count): its trace
+        file and per-step summary."""
+        return OrjsonResponse(jsonable(await manager.profile(False)))
 
     return router
