@@ -723,12 +723,9 @@ def test_warm_up_bursts() -> None:
     assert serving.phase_buckets(info, "decode") == [1, 4]
     assert serving.phase_buckets(info, "prefill") == []
     assert serving.phase_buckets({"graphs": {"decode": {"buckets": []}}}, "decode") == []
-    # Prefill captured up to 1,024 tokens, 256-token prompts: bursts of 1 to 4 as well.
-    assert serving.warmup_sizes([1, 32], [1, 8, 32], [128, 512, 1024], 256) == [1, 2, 3, 4, 8, 32]
-    assert serving.warmup_sizes([2], [], [4096], 128) == [1, 2]  # no more than a run has
 
 
-def test_warm_up_tops_up_the_buckets_it_did_not_meet() -> None:
+def test_warm_up_meets_the_buckets_its_bursts_did_not() -> None:
     def phase(states: dict[int, str]) -> dict[str, Any]:
         return {"buckets": [{"bucket": b, "state": st} for b, st in states.items()]}
 
@@ -738,23 +735,31 @@ def test_warm_up_tops_up_the_buckets_it_did_not_meet() -> None:
             "prefill": phase({128: "captured", 512: "unseen", 1024: "unseen", 2048: "unseen"}),
         }
     }
-    # Runs of up to 20 in flight, 256-token prompts: decode 8 and 16 by as many requests, 24
-    # by 20 (above the 16 of the bucket below); prefill 512 by 2 prompts, 1,024 by 4, 2,048
-    # by 8 (2,048 tokens, above 1,024).
-    assert serving.top_up_sizes(info, 20, 256, [128, 512, 1024, 2048]) == [2, 4, 8, 16, 20]
+    prefill = [128, 512, 1024, 2048]
+    # Runs of up to 20 in flight, 256-token prompts: bursts for decode 8 and 16 of as many
+    # requests, for 24 of 20 (above the 16 of the bucket below); batches for prefill 512 of 2
+    # prompts, 1,024 of 4, 2,048 of 8 (2,048 tokens, above 1,024).
+    assert serving.unmet_buckets(info, 20, 256, prefill) == serving.Unmet([8, 16, 20], [2, 4, 8])
     # At most 3 in flight: decode 8 (above 1), prefill 512 (2) and 1,024 (3 prompts: 768
     # tokens, above 512); 2,048 is out of reach.
-    assert serving.top_up_sizes(info, 3, 256, [128, 512, 1024, 2048]) == [2, 3]
+    assert serving.unmet_buckets(info, 3, 256, prefill) == serving.Unmet([3], [2, 3])
     # 600-token prompts: none fits 512; 1,024 takes one (600 > 512), 2,048 three (1,800).
-    assert serving.top_up_sizes(info, 3, 600, [128, 512, 1024, 2048]) == [1, 3]
+    assert serving.unmet_buckets(info, 3, 600, prefill) == serving.Unmet([3], [1, 3])
     done = {"graphs": {"decode": phase({1: "captured"}), "prefill": phase({128: "skipped"})}}
-    assert serving.top_up_sizes(done, 20, 256, [128]) == []
-    # Fresh prompts for a top-up, distinct from the call's.
+    assert not serving.unmet_buckets(done, 20, 256, [128])
+    # Fresh prompts for a pass, distinct from the call's.
     plan = call_plan("--max-concurrency", "4", "--input-len", "16", buckets=(1, 2, 4))
-    more = plan.draw_warmup(3, "topup0/3")
+    more = plan.draw_warmup(3, "pass0/batch3")
     assert len(more) == 3 and {s.output_len for s in more} == {64}
     prompts = [*plan.prompts(), *(s.input_ids for s in more)]
     assert serving.longest_shared_prefix(prompts) < serving.DISTINCT_HEAD
+
+
+def test_a_warm_up_batch_is_one_call(server: ServerProcess) -> None:
+    specs = serving.random_requests(3, 8, 4, 200, seed="batch")
+    assert serving.send_batch(server.url, server.headers, specs, 30) == 0
+    too_long = [RequestSpec([1] * 100_000, 1), *specs]  # refused: every prompt counts
+    assert serving.send_batch(server.url, server.headers, too_long, 30) == 4
 
 
 def test_serving_refuses_both_a_url_and_server_flags() -> None:

@@ -207,6 +207,21 @@ def test_native_generate_stream_and_batch(server: ServerProcess, engine: Engine)
     assert last["output_ids"] == ids and last["meta_info"]["finish_reason"] == "length"
 
 
+def test_a_batch_is_prefilled_in_one_step(server: ServerProcess) -> None:
+    """A call's prompts reach the scheduler as one message: admitted in the same turn, one
+    prefill step takes them all (one message each could be split over several)."""
+    since = server.info()["clock_s"]
+    prompts = [[7 + i, 8, 9, 10 + i] for i in range(6)]
+    params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    batch = post(server, "/generate", {"input_ids": prompts, "sampling_params": params})
+    assert batch.status_code == 200 and len(batch.json()) == 6
+    window = httpx.get(
+        f"{server.url}/get_server_info", headers=server.headers, params={"timeline_since": since}
+    ).json()
+    extend = window["scheduler"]["timeline"]["kinds"]["extend"]
+    assert (extend["steps"], extend["requests_mean"], extend["tokens_mean"]) == (1, 6, 24)
+
+
 def test_n_seed_stop_and_logprobs(client: openai.OpenAI, model: str) -> None:
     kwargs = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, seed=7)
     first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)

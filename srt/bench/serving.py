@@ -33,12 +33,12 @@ are the same work whatever the server's speed. At 64 output tokens, 128 requests
 prompt lengths and `--warmup-output-len` tokens: one per run, of as many requests as the run
 can have in flight, and one per decode bucket of the server (`graphs.decode.buckets` of
 `/get_server_info`) up to the largest of those, since a run's batch passes through the smaller
-buckets on its way up and down; where prefill has buckets, one of every count of requests
-whose prompts fit its largest together, since a run's prefill steps take however many
-arrived meanwhile. A burst does not meet its bucket for certain (its requests arrive spread
-out, are prefilled in several steps, the first finish before the last begin), so up to three
-top-up passes follow, each a burst of fresh prompts for every bucket a run can reach that the
-server still lists as unmet (`top_ups`, and `unmet` after the last). Lazy captures and first
+buckets on its way up and down. Then up to three passes for every bucket a run can reach that
+the server still lists as unmet: a decode bucket by a burst again (a burst does not meet its
+bucket for certain: its first requests can finish before its last begin), a prefill bucket
+by one `/generate` call of as many fresh prompts as fit it together (one call's prompts are
+prefilled in one step; a run's prefill steps take however many requests arrived meanwhile,
+up to the largest bucket); `passes` and `unmet` in the JSON. Lazy captures and first
 compiles then happen before timing; `warmup` in the JSON counts those it caused (`captured`
 names them). `--no-warmup` skips it.
 
@@ -840,8 +840,8 @@ def phase_buckets(info: dict[str, Any], phase: str) -> list[int]:
 # ---- the plan of a call --------------------------------------------------------------------
 
 DEFAULT_REQUESTS = 64  # per run, without --num-prompts
-# Passes of the warm-up's top-up: bursts again for the buckets its bursts did not meet.
-WARMUP_TOP_UPS = 3
+# Passes after the warm-up's bursts for the buckets a run can reach that are still unmet.
+WARMUP_PASSES = 3
 # Runs with more requests in flight than this get at least --min-requests-per-level.
 SHORT_RUN_IN_FLIGHT = 16
 
@@ -903,30 +903,15 @@ def runs_in_flight(ns: argparse.Namespace) -> list[int]:
     ]
 
 
-def warmup_sizes(
-    in_flight: Sequence[int],
-    buckets: Sequence[int],
-    prefill_buckets: Sequence[int] = (),
-    input_len: int = 0,
-) -> list[int]:
+def warmup_sizes(in_flight: Sequence[int], buckets: Sequence[int]) -> list[int]:
     """The warm-up's bursts: one of each run's in-flight count, and one per decode bucket up
     to the largest of those (a run's batch passes through the smaller ones on its way up and
-    down); with prefill buckets, also every count of requests up to that largest whose
-    `input_len` prompts fit the largest prefill bucket together (a run's prefill steps take
-    whichever of them arrived meanwhile, and pad to the bucket of their total)."""
+    down)."""
     top = max(in_flight, default=0)
-    sizes = {*in_flight, *(b for b in buckets if b <= top)}
-    if prefill_buckets and input_len:
-        sizes.update(range(1, min(top, max(prefill_buckets) // input_len) + 1))
-    return sorted(sizes)
+    return sorted({*in_flight, *(b for b in buckets if b <= top)})
 
 
-def plan_call(
-    ns: argparse.Namespace,
-    vocab_size: int,
-    buckets: Sequence[int],
-    prefill_buckets: Sequence[int] = (),
-) -> CallPlan:
+def plan_call(ns: argparse.Namespace, vocab_size: int, buckets: Sequence[int]) -> CallPlan:
     """The requests of a call against a server of `vocab_size` tokens and these decode
     buckets: each run's from a seed of its own (`--seed` and its index), the warm-up's bursts
     (unless `--no-warmup`), every prompt distinct from every other (`random_requests`'s
@@ -956,7 +941,7 @@ def plan_call(
         for index, (cap, num) in enumerate(zip(ns.max_concurrency, request_counts(ns), strict=True))
     ]
     in_flight = [run.in_flight for run in runs]
-    sizes = [] if ns.no_warmup else warmup_sizes(in_flight, buckets, prefill_buckets, ns.input_len)
+    sizes = [] if ns.no_warmup else warmup_sizes(in_flight, buckets)
     output_len = min(ns.warmup_output_len, ns.output_len)
     warmup = [draw(size, output_len, f"{ns.seed}/warmup{size}") for size in sizes]
     return CallPlan(
@@ -970,30 +955,58 @@ def unseen_buckets(info: dict[str, Any], phase: str) -> list[int]:
     return sorted(b["bucket"] for b in buckets if b.get("state") == "unseen")
 
 
-def top_up_sizes(
+@dataclasses.dataclass
+class Unmet:
+    """What would meet the buckets a run can reach that the server lists as unmet: bursts
+    of streams in flight (decode buckets) and batches of prompts in one call (prefill)."""
+
+    bursts: list[int]
+    batches: list[int]
+
+    def __bool__(self) -> bool:
+        return bool(self.bursts or self.batches)
+
+
+def unmet_buckets(
     info: dict[str, Any], top: int, input_len: int, prefill_buckets: Sequence[int]
-) -> list[int]:
-    """Bursts that would meet the buckets a run of at most `top` requests in flight can
-    reach and the warm-up did not: a decode bucket by as many requests as it holds (`top` at
-    most) where that is more than the bucket below holds; a prefill bucket by the most
-    `input_len` prompts that fit it together, where they overflow the bucket below. A burst
-    does not meet its bucket for certain: its requests can arrive spread out, be prefilled
-    in several steps, and the first finish before the last begin."""
+) -> Unmet:
+    """For a run of at most `top` requests in flight: a decode bucket by a burst of as many
+    requests as it holds (`top` at most) where that is more than the bucket below holds (a
+    burst does not meet it for certain: its first requests can finish before its last
+    begin); a prefill bucket by a batch of the most `input_len` prompts that fit it
+    together, where they overflow the bucket below (one call's prompts are prefilled in one
+    step, where prompts sent one by one arrive spread over several)."""
 
     def below(buckets: Sequence[int]) -> dict[int, int]:
         return dict(zip(buckets[1:], buckets, strict=False))
 
-    sizes: set[int] = set()
+    bursts, batches = set(), set()
     decode_below = below(phase_buckets(info, "decode"))
     for bucket in unseen_buckets(info, "decode"):
         if decode_below.get(bucket, 0) < top:
-            sizes.add(min(bucket, top))
+            bursts.add(min(bucket, top))
     prefill_below = below(prefill_buckets)
     for bucket in unseen_buckets(info, "prefill") if input_len else []:
         count = min(bucket // input_len, top)
         if count >= 1 and count * input_len > prefill_below.get(bucket, 0):
-            sizes.add(count)
-    return sorted(sizes)
+            batches.add(count)
+    return Unmet(sorted(bursts), sorted(batches))
+
+
+def send_batch(
+    base_url: str, headers: dict[str, str] | None, specs: Sequence[RequestSpec], timeout: float
+) -> int:
+    """One `/generate` call of all `specs`' prompts, one token each (a prefill step of them
+    all); how many failed."""
+    body = {
+        "input_ids": [spec.input_ids for spec in specs],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True},
+    }
+    try:
+        resp = httpx.post(f"{base_url}/generate", json=body, headers=headers, timeout=timeout)
+    except httpx.HTTPError:
+        return len(specs)
+    return 0 if resp.status_code == 200 else len(specs)
 
 
 # ---- the call ------------------------------------------------------------------------------
@@ -1033,8 +1046,10 @@ def run_client_load(
 def warm_up(
     base_url: str, ns: argparse.Namespace, headers: dict[str, str] | None, plan: CallPlan
 ) -> dict[str, Any]:
-    """Send the warm-up's bursts, untimed, each with all its requests in flight; what they
-    made the server capture and compile."""
+    """Send the warm-up's bursts, untimed, each with all its requests in flight; then, up to
+    WARMUP_PASSES times, what would meet the buckets a run can reach that the server lists
+    as unmet (`unmet_buckets`: bursts again, and batches of prompts for prefill); what it
+    all made the server capture and compile."""
     before = server_info(base_url, headers)
     start = time.perf_counter()
     errors = 0
@@ -1051,23 +1066,27 @@ def warm_up(
     planned = [len(burst) for burst in plan.warmup]
     top = max(planned, default=0)
     prefill_buckets = phase_buckets(before, "prefill")
-    top_ups: list[list[int]] = []
+    passes: list[dict[str, list[int]]] = []
     after = server_info(base_url, headers)
-    for attempt in range(WARMUP_TOP_UPS if plan.warmup else 0):
-        sizes = top_up_sizes(after, top, ns.input_len, prefill_buckets)
-        if not sizes:
+    for attempt in range(WARMUP_PASSES if plan.warmup else 0):
+        unmet = unmet_buckets(after, top, ns.input_len, prefill_buckets)
+        if not unmet:
             break
-        bursts = [plan.draw_warmup(size, f"topup{attempt}/{size}") for size in sizes]
-        plan.warmup.extend(bursts)  # their prompts are the call's too
+        bursts = [plan.draw_warmup(n, f"pass{attempt}/burst{n}") for n in unmet.bursts]
+        batches = [plan.draw_warmup(n, f"pass{attempt}/batch{n}") for n in unmet.batches]
+        plan.warmup.extend([*bursts, *batches])  # their prompts are the call's too
         send(bursts)
-        top_ups.append(sizes)
+        for batch in batches:
+            errors += send_batch(base_url, headers, batch, ns.timeout)
+        passes.append(dataclasses.asdict(unmet))
         after = server_info(base_url, headers)
+    left = unmet_buckets(after, top, ns.input_len, prefill_buckets) if plan.warmup else None
     return {
         "bursts": planned,
-        # Bursts sent again for buckets a run can reach that the bursts before had not met,
-        # per pass; and the buckets still not met after the last.
-        "top_ups": top_ups,
-        "unmet": top_up_sizes(after, top, ns.input_len, prefill_buckets) if plan.warmup else [],
+        # Per pass, the bursts and prefill batches sent for buckets a run can reach that the
+        # server still listed as unmet; what would meet those left after the last.
+        "passes": passes,
+        "unmet": dataclasses.asdict(left) if left else None,
         "output_len": plan.warmup[0][0].output_len if plan.warmup else None,
         "errors": errors,
         "duration_s": round(time.perf_counter() - start, 3),
@@ -1166,12 +1185,7 @@ def bench(
 ) -> dict[str, Any]:
     """The warm-up, then every run; with what the prompts of the call share."""
     info = server_info(base_url, headers)
-    plan = plan_call(
-        ns,
-        int(info["model"]["vocab_size"]),
-        phase_buckets(info, "decode"),
-        phase_buckets(info, "prefill"),
-    )
+    plan = plan_call(ns, int(info["model"]["vocab_size"]), phase_buckets(info, "decode"))
     warmup = warm_up(base_url, ns, headers, plan)
     runs = [timed_run(base_url, ns, headers, run, runner) for run in plan.runs]
     return {
@@ -1274,10 +1288,10 @@ def notes(result: dict[str, Any]) -> list[str]:
         f"warm-up: bursts of {warmup['bursts']} requests, {warmup['captures']} captures and "
         f"{warmup['jit_misses']} JIT misses in it, {warmup['errors']} errors",
     ]
-    if warmup.get("top_ups") or warmup.get("unmet"):  # older results files have neither
+    if warmup.get("passes") or warmup.get("unmet"):  # older results files have neither
         lines.append(
-            f"warm-up top-ups: bursts of {warmup['top_ups']}; buckets a run can reach still "
-            f"unmet: bursts of {warmup['unmet']} would meet them"
+            f"warm-up passes for unmet buckets: {warmup['passes']}; unmet after them: "
+            f"{warmup['unmet']}"
         )
     for run in result["runs"]:
         paths = [

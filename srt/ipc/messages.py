@@ -4,8 +4,8 @@ per step (a plan, a result, a step's outputs) is a few arrays, never a Python ob
 Each message derives from the direction it travels in, and each channel (`channels.py`) takes
 only its direction's messages:
 
-    ToScheduler   tokenizer -> scheduler   GenerateReq, AbortReq, FlushCacheReq, InfoReq,
-                                           ProfileReq
+    ToScheduler   tokenizer -> scheduler   GenerateReq, GenerateReqs, AbortReq, FlushCacheReq,
+                                           InfoReq, ProfileReq
     ToRunner      scheduler -> runner      BatchPlan, InfoReq, ProfileReq (passed on)
     FromRunner    runner -> scheduler      RunnerReady, BatchResult, RunnerInfoReply,
                                            ProfileReply
@@ -56,6 +56,16 @@ class GenerateReq(ToScheduler):
     sampling_params: SamplingParams
     stream: bool = False
     tokenizer_worker: int = 0  # which one sent it, and gets its outputs
+
+
+@dataclass
+class GenerateReqs(ToScheduler):
+    """tokenizer -> scheduler: the sequences of one call (a batch of prompts, n > 1) in one
+    message, so that they are admitted in the same turn and prefilled together, as a client
+    that sends them at once expects (one message each could arrive spread over turns)."""
+
+    reqs: list[GenerateReq]
+    tokenizer_worker: int = 0
 
 
 @dataclass

@@ -35,6 +35,7 @@ from srt.ipc.messages import (
     FlushCacheOutput,
     FlushCacheReq,
     GenerateReq,
+    GenerateReqs,
     InfoOutput,
     InfoReq,
     ProfileOutput,
@@ -188,9 +189,10 @@ class SchedulerLoop:
                 msg = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            reply = self._handle(msg)
-            if reply is not None:
-                replies.setdefault(msg.tokenizer_worker, []).append(reply)
+            for one in msg.reqs if isinstance(msg, GenerateReqs) else [msg]:
+                reply = self._handle(one)
+                if reply is not None:
+                    replies.setdefault(one.tokenizer_worker, []).append(reply)
         self.routes.send_replies(replies)
 
     def _handle(self, msg: ToScheduler) -> Reply | None:

@@ -28,6 +28,7 @@ from srt.ipc.messages import (
     FlushCacheOutput,
     FlushCacheReq,
     GenerateReq,
+    GenerateReqs,
     InfoOutput,
     InfoReq,
     ProfileOutput,
@@ -276,11 +277,12 @@ class TokenizerManager:
         }
         last_seen: dict[str, float] = {}
         pending = set(rids)
+        reqs = []
         for rid, seq in zip(rids, seqs, strict=True):
             self.seq_mailboxes[rid] = mailbox
-            req = GenerateReq(rid, seq.input_ids, seq.params, True, self.worker)
-            self.to_scheduler.send(req)
+            reqs.append(GenerateReq(rid, seq.input_ids, seq.params, True, self.worker))
             self.metrics.prompt_tokens.inc(len(seq.input_ids))
+        self.to_scheduler.send(reqs[0] if len(reqs) == 1 else GenerateReqs(reqs, self.worker))
         self.requests.mark("sent", call)
         try:
             while pending:
