@@ -30,7 +30,8 @@
 #                        the defaults (full), overlap one step deep (depth1), no overlap,
 #                        nographs, prefill captured (prefill-full) or not (prefill-off), and
 #                        captured with mixed steps (mixed), N tokenizer workers (twN), an
-#                        output every N tokens (siN); SERVING_VARIANTS overrides
+#                        output every N tokens (siN), polling N ms before sleeping (bpN);
+#                        SERVING_VARIANTS overrides
 #   noloss-SHAPE         2,000 requests at concurrency 128 (128 prompt tokens, 256 new) with
 #                        NOLOSS_FLAGS (default: --tokenizer-worker-num 2): all finish whole?
 #   attention            srt.bench.attention on the 1B and 8B heads, for ATTENTION_BACKENDS
@@ -181,6 +182,7 @@ serving() {  # decode full with overlap (the default), and the variants that mov
       # twN: N tokenizer workers on the port; siN: outputs every N tokens
       [[ $variant == tw* ]] && flags+=(--tokenizer-worker-num "${variant#tw}")
       [[ $variant == si* ]] && flags+=(--stream-interval "${variant#si}")
+      [[ $variant == bp* ]] && flags+=(--busy-poll-ms "${variant#bp}")  # bp0: sleep at once
       local name="serving-$shape-$variant-${in_len}x${out_len}"
       # The bench's request counts (1,024 where more than 16 are in flight), its warm-up
       # bursts, and one_batch with the same flags for the ceiling before the server starts.

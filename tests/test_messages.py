@@ -111,3 +111,33 @@ def test_a_receiver_drains_what_arrived_in_one_wake() -> None:
         ctx.term()
         endpoints.remove()
     assert sum(map(len, got)) == 3
+
+
+def test_a_receiver_polls_awhile_before_it_sleeps() -> None:
+    """`poll(timeout_ms, busy_s)`: a message that comes while it polls, or after, while it
+    sleeps, is seen; none within the timeout is none."""
+    import threading
+
+    import zmq
+
+    from srt.ipc.channels import Endpoints, Receiver, Sender, to_tokenizer
+    from srt.ipc.messages import Replies
+
+    endpoints = Endpoints.create()
+    ctx = zmq.Context()
+    channel = to_tokenizer(0)
+    inbox, outbox = Receiver(ctx, endpoints, channel), Sender(ctx, endpoints, channel)
+    try:
+        assert not inbox.poll(0, busy_s=0.02)  # nothing: the timeout ends the polling
+        assert not inbox.poll(30, busy_s=0.01)  # nothing: polled, then asleep till the end
+        for busy_s in (0.5, 0.001):  # the message comes while it polls; while it sleeps
+            timer = threading.Timer(0.05, outbox.send, (Replies([TokenOutput("r", [1])]),))
+            timer.start()
+            assert inbox.poll(None, busy_s)
+            assert inbox.recv().items[0].rid == "r"
+            timer.join()
+    finally:
+        inbox.close()
+        outbox.close()
+        ctx.term()
+        endpoints.remove()

@@ -261,6 +261,7 @@ def _launch(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess
         ),
         (["--max-running-requests", "0"], "argument --max-running-requests: must be a positive"),
         (["--port", "70000"], "argument --port: must be in [1, 65535], got 70000"),
+        (["--busy-poll-ms", "-1"], "argument --busy-poll-ms: must be in [0, 10000] ms, got -1"),
         (["--port", "0"], "argument --port: must be in [1, 65535], got 0"),
         (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
         (["--device", "tpu"], "argument --device: must be cpu, cuda or auto, got 'tpu'"),
@@ -323,3 +324,12 @@ def test_a_model_without_tokenizer_files_fails_in_one_line(
         "--context-length 4096 is larger than the model's max_position_embeddings 2048" in line
         for line in lines
     ), result.stderr
+
+
+def test_busy_polling_is_on_with_a_cuda_runner_only() -> None:
+    from srt.server_args import DEFAULT_BUSY_POLL_S, ServerArgs
+
+    assert ServerArgs().busy_poll_s("cuda") == DEFAULT_BUSY_POLL_S
+    assert ServerArgs().busy_poll_s("cpu") == 0.0  # it would take the cores the model runs on
+    assert ServerArgs(busy_poll_ms=3).busy_poll_s("cpu") == 0.003
+    assert ServerArgs(busy_poll_ms=0).busy_poll_s("cuda") == 0.0

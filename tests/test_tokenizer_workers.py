@@ -84,12 +84,15 @@ def test_workers_share_the_port_and_go_down_with_the_server(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     srv = ServerProcess(
-        ["--model-path", str(tiny_llama), "--tokenizer-worker-num", str(WORKERS)],
+        # The scheduler and the runner poll 2 ms before they sleep (CUDA's way, on a CPU).
+        ["--model-path", str(tiny_llama), "--tokenizer-worker-num", str(WORKERS)]
+        + ["--busy-poll-ms", "2"],
         tmp_path / "server.log",
     )
     try:
         srv.wait_ready()
         info = srv.info()
+        assert info["server_args"]["busy_poll_ms"] == 2
         names = [f"tokenizer{w}" for w in range(1, WORKERS)]
         children = child_pids(srv.proc.pid)
         assert {info["processes"][name]["pid"] for name in names} <= set(children)

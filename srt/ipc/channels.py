@@ -15,6 +15,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -124,7 +125,19 @@ class Receiver(Generic[M]):
         finally:
             loop.remove_reader(fd)
 
-    def poll(self, timeout_ms: int = 0) -> bool:
+    def poll(self, timeout_ms: int | None = 0, busy_s: float = 0.0) -> bool:
+        """Whether a message is waiting, within `timeout_ms` (None: until one is): polled
+        without sleeping for up to `busy_s` seconds first (`--busy-poll-ms`: a process woken
+        from sleep runs tens to hundreds of microseconds after its message), then asleep."""
+        if busy_s > 0:
+            start = time.perf_counter()
+            while (spent := time.perf_counter() - start) < busy_s:
+                if self.socket.poll(0):
+                    return True
+                if timeout_ms is not None and spent * 1000 >= timeout_ms:
+                    return False
+            if timeout_ms is not None:
+                timeout_ms = max(0, timeout_ms - int(spent * 1000))
         return bool(self.socket.poll(timeout_ms))
 
     def close(self) -> None:

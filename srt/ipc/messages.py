@@ -440,3 +440,4 @@ class RunnerReady(FromRunner):
 
     num_slots: int
     context_length: int
+    device_type: str = "cpu"  # the scheduler's --busy-poll-ms default depends on it

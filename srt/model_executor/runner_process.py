@@ -50,7 +50,11 @@ class RunnerLoop:
         self.ctx = zmq.Context()
         self.inbox = Receiver(self.ctx, endpoints, TO_RUNNER)
         self.results = Sender(self.ctx, endpoints, FROM_RUNNER)
-        self.results.send(RunnerReady(self.runner.num_slots, self.runner.context_length))
+        device_type = self.runner.device.type
+        self.results.send(
+            RunnerReady(self.runner.num_slots, self.runner.context_length, device_type)
+        )
+        self.busy_s = args.busy_poll_s(device_type)
         # Per step: plan received, launched (on CUDA, queued on the device), result sent.
         self.timeline = StepTimeline(("received", "launched", "result_sent"))
         self.profiler = RunnerProfiler(self.runner.device)  # on request only
@@ -71,6 +75,8 @@ class RunnerLoop:
             self._send_ready(pending)
             if pending and not self.inbox.poll():
                 continue
+            if not pending:
+                self.inbox.poll(None, self.busy_s)  # awake when the next plan comes
             msg = self.inbox.recv()
             if isinstance(msg, BatchPlan):
                 self.timeline.begin(msg.step)

@@ -126,6 +126,7 @@ class SchedulerLoop:
             eos_token_ids=config.eos_token_ids,
         )
         self.overlap = not args.disable_overlap_schedule
+        self.busy_s = args.busy_poll_s(ready.device_type)
         # Per loop turn: plan built, sent, the oldest step's in flight (overlap) or this
         # plan's result back, outputs sent to the tokenizer.
         self.timeline = StepTimeline(("start", "planned", "sent", "received", "outputs_sent"))
@@ -134,13 +135,12 @@ class SchedulerLoop:
         return None
 
     def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.inbox.socket, zmq.POLLIN)
         timeout: int | None = 0
         while True:
             if not self.scheduler.has_work:
                 timeout = None
-            if poller.poll(timeout):
+            # Idle: polled awhile before sleeping, so that the next request is planned at once.
+            if self.inbox.poll(timeout, self.busy_s if timeout is None else 0.0):
                 self._handle_inbox()
             self.timeline.begin()
             outputs = self._step()
@@ -169,6 +169,7 @@ class SchedulerLoop:
         return self._result
 
     def _result(self) -> BatchResult:
+        self.results.poll(None, self.busy_s)  # awake when it comes: a step's time, or less
         result = self._from_runner(BatchResult)  # the runner answers in order
         self.timeline.mark("received")
         return result
