@@ -865,8 +865,13 @@ def test_profile_the_runner(server: ServerProcess, tmp_path: Path) -> None:
     summary = done["summary"]
     assert summary["steps"] == 4 and summary["wall_ms_per_step"] > 0
     assert summary["top_host_ops"]  # the CPU's ops; on CUDA its kernels too
+    # One that ended by its count is written by the next start, not lost.
+    first = post(server, "/start_profile", {"output_dir": str(tmp_path / "a"), "num_steps": 2})
+    assert post(server, "/generate", body).status_code == 200
+    assert not Path(first.json()["trace"]).exists()  # written when asked for, not mid-run
     # Until /stop_profile: as many steps as ran.
     assert post(server, "/start_profile", {"output_dir": str(tmp_path / "b")}).status_code == 200
+    assert Path(first.json()["trace"]).is_file()
     assert post(server, "/generate", body).status_code == 200
     open_ended = httpx.get(f"{server.url}/stop_profile", headers=server.headers).json()
     assert open_ended["steps"] == 6 and open_ended["summary"]["steps"] == 6

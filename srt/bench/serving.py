@@ -1110,9 +1110,16 @@ class RunProfile:
         self.error: str | None = None
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        resp = httpx.post(f"{self.base_url}{path}", json=body, headers=self.headers, timeout=60)
+        """The endpoint's answer; {} where it failed (`error` says how: a profile that did
+        not start is the run's note, never the run's end)."""
+        try:
+            resp = httpx.post(f"{self.base_url}{path}", json=body, headers=self.headers, timeout=60)
+        except httpx.HTTPError as e:
+            self.error = f"{path}: {type(e).__name__}: {e}"
+            return {}
         if resp.status_code != 200:
             self.error = f"{path}: HTTP {resp.status_code}: {resp.text[:200]}"
+            return {}
         return dict(resp.json())
 
     def start(self) -> None:

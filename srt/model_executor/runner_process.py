@@ -86,7 +86,7 @@ class RunnerLoop:
                 self.timeline.mark("launched")
                 if self.profiler.due:
                     self._send_ready(pending, wait=True)  # its steps' kernels in the trace
-                    self.profiler.stop()
+                    self.profiler.finish()
             elif isinstance(msg, InfoReq):
                 self._send_ready(pending, wait=True)
                 timeline = self.timeline.summary(msg.timeline_since)

@@ -9,7 +9,9 @@ kernels and host calls.
 
 A profile's start and end each wait for the steps in flight (the trace then holds whole
 steps): the pipeline drains twice, and the profiler's own cost slows the host; the steps
-between are what it is for.
+between are what it is for. A profile that ends by its step count is written when it is
+asked for (`/stop_profile`, or the next `/start_profile`), not there: writing and
+summarising a trace takes seconds, which the steps after it would wait.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class RunnerProfiler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.profiler: Any = None  # torch.profiler.profile while recording
+        self.unwritten: Any = None  # one that ended by its step count, its trace not written
         self.trace: Path | None = None
         self.num_steps: int | None = None
         self.steps = 0
@@ -61,6 +64,7 @@ class RunnerProfiler:
         step count below 1 or a directory that cannot be made."""
         if self.recording:
             return self.outcome("a profile is recording already; /stop_profile ends it")
+        self._write()  # the last one's, if it ended by its count: nothing is lost
         if num_steps is not None and num_steps < 1:
             raise ValueError(f"num_steps must be at least 1, got {num_steps}")
         directory = Path(output_dir or os.environ.get("SRT_PROFILE_DIR") or tempfile.gettempdir())
@@ -87,13 +91,25 @@ class RunnerProfiler:
             yield
         self.steps += 1
 
+    def finish(self) -> None:
+        """End the recording once it has its steps (the caller has waited for them); its
+        trace is written when asked for."""
+        self.profiler.stop()
+        self.profiler, self.unwritten = None, self.profiler
+
     def stop(self) -> ProfileOutcome:
         """End the recording (the caller has waited for its steps), write the trace, and
         say what it holds; without one recording, the last profile's outcome."""
-        if not self.recording:
-            return self.last or self.outcome("no profile recorded; /start_profile begins one")
-        profiler, self.profiler = self.profiler, None
-        profiler.stop()
+        if self.recording:
+            self.finish()
+        self._write()
+        return self.last or self.outcome("no profile recorded; /start_profile begins one")
+
+    def _write(self) -> None:
+        """Write the ended profile's trace and summarise it (`last`), if one waits."""
+        if self.unwritten is None:
+            return
+        profiler, self.unwritten = self.unwritten, None
         assert self.trace is not None
         profiler.export_chrome_trace(str(self.trace))  # gzipped: the name ends in .gz
         with gzip.open(self.trace, "rt") as f:
@@ -101,4 +117,3 @@ class RunnerProfiler:
         self.last = ProfileOutcome(
             False, self.steps, str(self.trace), f"{self.steps} steps written", summary
         )
-        return self.last

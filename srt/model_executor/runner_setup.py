@@ -120,6 +120,7 @@ NOT_IN_COMPILE_KEY: dict[str, str] = {
     "disable_overlap_schedule": _SCHEDULER,
     "overlap_depth": _SCHEDULER,
     "stream_interval": _SCHEDULER,
+    "busy_poll_ms": "how the scheduler and the runner wait for messages, not what runs",
     "enable_mixed_chunk": _SCHEDULER,
     "compile_cache_dir": "where the cache is",
     "skip_warmup": "whether a warm-up runs before ready, not what it runs",
