@@ -30,8 +30,11 @@
 #                        the defaults (full), overlap one step deep (depth1), no overlap,
 #                        nographs, prefill captured (prefill-full) or not (prefill-off), and
 #                        captured with mixed steps (mixed), N tokenizer workers (twN), an
-#                        output every N tokens (siN), polling N ms before sleeping (bpN);
-#                        SERVING_VARIANTS overrides
+#                        output every N tokens (siN), polling N ms before sleeping (bpN),
+#                        every bucket captured before ready (upfront);
+#                        SERVING_VARIANTS overrides; SERVING_BENCH_FLAGS go to the bench
+#                        (e.g. "--no-warmup" with SERVING_CONCURRENCY="1 128 1": concurrency
+#                        1 on a fresh KV pool, then after 1,024 requests at 128)
 #   noloss-SHAPE         2,000 requests at concurrency 128 (128 prompt tokens, 256 new) with
 #                        NOLOSS_FLAGS (default: --tokenizer-worker-num 2): all finish whole?
 #   attention            srt.bench.attention on the 1B and 8B heads, for ATTENTION_BACKENDS
@@ -183,14 +186,15 @@ serving() {  # decode full with overlap (the default), and the variants that mov
       [[ $variant == tw* ]] && flags+=(--tokenizer-worker-num "${variant#tw}")
       [[ $variant == si* ]] && flags+=(--stream-interval "${variant#si}")
       [[ $variant == bp* ]] && flags+=(--busy-poll-ms "${variant#bp}")  # bp0: sleep at once
+      [ $variant = upfront ] && flags+=(--cuda-graph-capture upfront)  # every bucket before ready
       local name="serving-$shape-$variant-${in_len}x${out_len}"
       # The bench's request counts (1,024 where more than 16 are in flight), its warm-up
       # bursts, and one_batch with the same flags for the ceiling before the server starts.
       step "$name" python3 -m srt.bench.serving \
         --max-concurrency ${SERVING_CONCURRENCY:-1 32 64 128} --input-len "$in_len" \
         --output-len "$out_len" --output-file "$out/$name.json" \
-        --server-log "$work/logs/server-$name.log" -- --model-path "$SHAPE_DIR" \
-        --load-format dummy "${flags[@]}"
+        --server-log "$work/logs/server-$name.log" ${SERVING_BENCH_FLAGS:-} \
+        -- --model-path "$SHAPE_DIR" --load-format dummy "${flags[@]}"
       # A request that failed: what the server said about it.
       grep -n -i -B2 -A8 "error\|traceback" "$work/logs/server-$name.log" | tail -n 40
     done
