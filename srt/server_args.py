@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,8 +22,11 @@ if TYPE_CHECKING:
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 _MAX_PORT = 65535
 # --busy-poll-ms with a CUDA runner: longer than a step, so a process waiting for the next
-# step's message never sleeps, and idle again soon after the traffic stops.
+# step's message never sleeps, and idle again soon after the traffic stops. Only on a host of
+# BUSY_POLL_MIN_CPUS or more: the scheduler and the runner then take a core each, and the
+# main process (the HTTP server, tokenizing, streaming) needs one beside them.
 DEFAULT_BUSY_POLL_S = 0.05
+BUSY_POLL_MIN_CPUS = 4
 
 
 def _opt(default: Any, help: str, **kwargs: Any) -> Any:
@@ -78,8 +82,8 @@ class ServerArgs:
         "How long the scheduler and the model runner poll for their next message before they "
         "sleep on it (ms). A process woken from sleep runs tens to hundreds of microseconds "
         "after its message, and a request's way to its first token crosses several; polling "
-        "takes a core while it lasts. Default: 50 with a CUDA runner, 0 on a CPU (where it "
-        "would take the cores the model runs on).",
+        "takes a core while it lasts. Default: 50 with a CUDA runner on a host of 4 or more "
+        "CPUs, else 0 (on a CPU it would take the cores the model runs on).",
     )
     stream_interval: int = _opt(
         1,
@@ -296,11 +300,17 @@ class ServerArgs:
 
             check_flashinfer(head_dim=config.head_dim)
 
-    def busy_poll_s(self, device_type: str) -> float:
-        """`busy_poll_ms` in seconds, its default for a runner on `device_type`."""
+    def busy_poll_s(self, device_type: str, cpus: int | None = None) -> float:
+        """`busy_poll_ms` in seconds; by default, polling with a runner on CUDA and a host of
+        `cpus` (default: this one's) that has a core for each polling process and the main
+        one, else none."""
         if self.busy_poll_ms is not None:
             return self.busy_poll_ms / 1000
-        return DEFAULT_BUSY_POLL_S if device_type == "cuda" else 0.0
+        if cpus is None:  # the ones this process may run on (a container's share)
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        if device_type == "cuda" and cpus >= BUSY_POLL_MIN_CPUS:
+            return DEFAULT_BUSY_POLL_S
+        return 0.0
 
     def resolved_device(self) -> str:
         import torch

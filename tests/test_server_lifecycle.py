@@ -329,7 +329,8 @@ def test_a_model_without_tokenizer_files_fails_in_one_line(
 def test_busy_polling_is_on_with_a_cuda_runner_only() -> None:
     from srt.server_args import DEFAULT_BUSY_POLL_S, ServerArgs
 
-    assert ServerArgs().busy_poll_s("cuda") == DEFAULT_BUSY_POLL_S
-    assert ServerArgs().busy_poll_s("cpu") == 0.0  # it would take the cores the model runs on
+    assert ServerArgs().busy_poll_s("cuda", cpus=16) == DEFAULT_BUSY_POLL_S
+    assert ServerArgs().busy_poll_s("cuda", cpus=2) == 0.0  # no core left for the main process
+    assert ServerArgs().busy_poll_s("cpu", cpus=16) == 0.0  # it would take the model's cores
     assert ServerArgs(busy_poll_ms=3).busy_poll_s("cpu") == 0.003
     assert ServerArgs(busy_poll_ms=0).busy_poll_s("cuda") == 0.0
