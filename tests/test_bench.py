@@ -735,18 +735,17 @@ def test_warm_up_meets_the_buckets_its_bursts_did_not() -> None:
             "prefill": phase({128: "captured", 512: "unseen", 1024: "unseen", 2048: "unseen"}),
         }
     }
-    prefill = [128, 512, 1024, 2048]
     # Runs of up to 20 in flight, 256-token prompts: bursts for decode 8 and 16 of as many
     # requests, for 24 of 20 (above the 16 of the bucket below); batches for prefill 512 of 2
     # prompts, 1,024 of 4, 2,048 of 8 (2,048 tokens, above 1,024).
-    assert serving.unmet_buckets(info, 20, 256, prefill) == serving.Unmet([8, 16, 20], [2, 4, 8])
+    assert serving.unmet_buckets(info, 20, 256) == serving.Unmet([8, 16, 20], [2, 4, 8])
     # At most 3 in flight: decode 8 (above 1), prefill 512 (2) and 1,024 (3 prompts: 768
     # tokens, above 512); 2,048 is out of reach.
-    assert serving.unmet_buckets(info, 3, 256, prefill) == serving.Unmet([3], [2, 3])
+    assert serving.unmet_buckets(info, 3, 256) == serving.Unmet([3], [2, 3])
     # 600-token prompts: none fits 512; 1,024 takes one (600 > 512), 2,048 three (1,800).
-    assert serving.unmet_buckets(info, 3, 600, prefill) == serving.Unmet([3], [1, 3])
+    assert serving.unmet_buckets(info, 3, 600) == serving.Unmet([3], [1, 3])
     done = {"graphs": {"decode": phase({1: "captured"}), "prefill": phase({128: "skipped"})}}
-    assert not serving.unmet_buckets(done, 20, 256, [128])
+    assert not serving.unmet_buckets(done, 20, 256)
     # Fresh prompts for a pass, distinct from the call's.
     plan = call_plan("--max-concurrency", "4", "--input-len", "16", buckets=(1, 2, 4))
     more = plan.draw_warmup(3, "pass0/batch3")

@@ -967,9 +967,7 @@ class Unmet:
         return bool(self.bursts or self.batches)
 
 
-def unmet_buckets(
-    info: dict[str, Any], top: int, input_len: int, prefill_buckets: Sequence[int]
-) -> Unmet:
+def unmet_buckets(info: dict[str, Any], top: int, input_len: int) -> Unmet:
     """For a run of at most `top` requests in flight: a decode bucket by a burst of as many
     requests as it holds (`top` at most) where that is more than the bucket below holds (a
     burst does not meet it for certain: its first requests can finish before its last
@@ -985,7 +983,7 @@ def unmet_buckets(
     for bucket in unseen_buckets(info, "decode"):
         if decode_below.get(bucket, 0) < top:
             bursts.add(min(bucket, top))
-    prefill_below = below(prefill_buckets)
+    prefill_below = below(phase_buckets(info, "prefill"))
     for bucket in unseen_buckets(info, "prefill") if input_len else []:
         count = min(bucket // input_len, top)
         if count >= 1 and count * input_len > prefill_below.get(bucket, 0):
@@ -1065,11 +1063,10 @@ def warm_up(
     send(plan.warmup)
     planned = [len(burst) for burst in plan.warmup]
     top = max(planned, default=0)
-    prefill_buckets = phase_buckets(before, "prefill")
     passes: list[dict[str, list[int]]] = []
     after = server_info(base_url, headers)
     for attempt in range(WARMUP_PASSES if plan.warmup else 0):
-        unmet = unmet_buckets(after, top, ns.input_len, prefill_buckets)
+        unmet = unmet_buckets(after, top, ns.input_len)
         if not unmet:
             break
         bursts = [plan.draw_warmup(n, f"pass{attempt}/burst{n}") for n in unmet.bursts]
@@ -1080,7 +1077,7 @@ def warm_up(
             errors += send_batch(base_url, headers, batch, ns.timeout)
         passes.append(dataclasses.asdict(unmet))
         after = server_info(base_url, headers)
-    left = unmet_buckets(after, top, ns.input_len, prefill_buckets) if plan.warmup else None
+    left = unmet_buckets(after, top, ns.input_len) if plan.warmup else None
     return {
         "bursts": planned,
         # Per pass, the bursts and prefill batches sent for buckets a run can reach that the

@@ -33,6 +33,7 @@ from srt.profiling import profiler_for, summarize_trace
 
 LAUNCH_ANNOTATION = "srt_runner_launch"
 TOP = 15  # kernels, host ops and runtime calls in the summary
+_NOT_RECORDING = contextlib.nullcontext()  # reentrant: one serves every launch
 
 
 class RunnerProfiler:
@@ -81,12 +82,13 @@ class RunnerProfiler:
         self.profiler.start()
         return self.outcome("recording")
 
+    def step(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a step's launch: annotated and counted while recording; else nothing (every
+        launch passes here: no generator is made for it)."""
+        return self._recorded_step() if self.recording else _NOT_RECORDING
+
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Around a step's launch: annotated and counted while recording."""
-        if not self.recording:
-            yield
-            return
+    def _recorded_step(self) -> Iterator[None]:
         with torch.profiler.record_function(LAUNCH_ANNOTATION):
             yield
         self.steps += 1
