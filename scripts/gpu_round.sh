@@ -13,7 +13,11 @@
 #
 # Usage: scripts/gpu_round.sh STAGE...   with STAGE one of
 #   tests                pytest -m gpu (of TESTS_PATHS, default tests)
-#   runner-SHAPE         one_batch for disabled, full, full --enable-torch-compile, full over
+#   skinny               srt.bench.skinny_matmul --tune on both shapes: the kernel against
+#                        cuBLAS per decode product and row bucket; the table it writes (under
+#                        srt/layers/tuned/, used by the stages after it) comes back too
+#   runner-SHAPE         one_batch for disabled, full, full-cublas (the skinny kernel off),
+#                        full --enable-torch-compile, full over
 #                        Inductor pieces, breakable, tc_piecewise eager and inductor, full
 #                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF)
 #                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists)
@@ -103,6 +107,7 @@ runner() {  # the decode paths of srt and the alternatives on one shape
   declare -A flags=(
     [disabled]="--cuda-graph-backend-decode disabled"
     [full]="--cuda-graph-backend-decode full"
+    [full-cublas]="--cuda-graph-backend-decode full --custom-ops all,-skinny_matmul"
     [full-compile]="--cuda-graph-backend-decode full --enable-torch-compile"
     [full-inductor]="--cuda-graph-backend-decode full --cuda-graph-tc-compiler inductor"
     [breakable]="--cuda-graph-backend-decode breakable"
@@ -126,6 +131,13 @@ runner() {  # the decode paths of srt and the alternatives on one shape
         --batch-size $sizes --methods "$method" --result-file "$file"
     fi
   done
+}
+
+skinny() {  # the skinny matmul kernel against cuBLAS on both shapes' products; writes the table
+  step skinny_matmul python3 -m srt.bench.skinny_matmul --model-shape llama-3.2-1b llama-3-8b \
+    --tune --output "$out/skinny_matmul.json"
+  tail -n 70 "$work/logs/skinny_matmul.log"
+  cp srt/layers/tuned/skinny_matmul-*.json "$out/" 2>/dev/null
 }
 
 checkpoint() {  # sets CKPT: a random checkpoint of the shape on local disk, written once
@@ -213,6 +225,7 @@ for stage in "$@"; do
       step attention python3 -m srt.bench.attention --backends ${ATTENTION_BACKENDS:-triton flashinfer} \
         --compile-cache-dir "$work/cache-attention" --output "$out/attention.json"
       sed -n '/^ *shape /,$p' "$work/logs/attention.log" ;;
+    skinny) skinny ;;
     runner-*) runner "${stage#runner-}" ;;
     noloss-*) noloss "${stage#noloss-}" ;;
     cold_start-*) cold_start "${stage#cold_start-}" ;;

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from srt.ipc.reports import OpImplInfo
 
-OPS = ("fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul")
+OPS = ("fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", "skinny_matmul")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 

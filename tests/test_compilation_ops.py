@@ -6,11 +6,11 @@ Triton kernels are checked where they can run: on CUDA, or on the CPU under TRIT
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 
 import pytest
 import torch
-from layer_op_cases import kernel_device, op_cases
+from layer_op_cases import kernel_device, op_cases, skinny_cases_table
 
 import srt.layers.attention.layer  # noqa: F401 (defines srt::attention)
 from srt.batch_layout import ForwardMode
@@ -46,9 +46,10 @@ def layer_op_sample(qualname: str) -> Callable[[], Sample]:
     """The first of the layer op cases for the op (run where its kernel can run)."""
 
     def sample() -> Sample:
-        cases = op_cases(torch.bfloat16, kernel_device())
+        device = kernel_device()
+        cases = op_cases(torch.bfloat16, device)
         args = next(args for op, _, args in cases if op._qualname == qualname)
-        return args, nullcontext()
+        return args, skinny_cases_table(device)
 
     return sample
 
@@ -77,6 +78,7 @@ SAMPLES: dict[str, Callable[[], Sample]] = {
     "srt::tp_all_reduce": all_reduce_sample,
     "srt::tp_all_gather": all_gather_sample,
     **{f"srt::{op}": layer_op_sample(f"srt::{op}") for op in OPS},
+    "srt::skinny_matmul_silu_and_mul": layer_op_sample("srt::skinny_matmul_silu_and_mul"),
 }
 
 

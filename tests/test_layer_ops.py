@@ -10,15 +10,26 @@ where the GPU rounds to nearest, so bf16 is compared within a few bf16 ulps, not
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from compile_helpers import greedy_ids, tc_engine
-from layer_op_cases import INTERPRETED, KERNEL_DEVICES, LLAMA3_SCALING, op_cases
+from layer_op_cases import (
+    INTERPRETED,
+    KERNEL_DEVICES,
+    LLAMA3_SCALING,
+    op_cases,
+    skinny_cases_table,
+    skinny_entries,
+    skinny_table_for,
+)
 from torch._prims_common import check_significant_strides
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -27,6 +38,12 @@ from srt.compilation.op_registry import inductor_trace
 from srt.layers.activation import SiluAndMul
 from srt.layers.custom_op import apply_custom_ops
 from srt.layers.layernorm import RMSNorm, fused_add_rms_norm_kernel, rms_norm_kernel
+from srt.layers.linear import (
+    Linear,
+    skinny_config,
+    skinny_matmul_kernel,
+    skinny_matmul_silu_and_mul_kernel,
+)
 from srt.layers.rotary_embedding import RotaryEmbedding, rotary_kernel
 from srt.op_selection import (
     OPS,
@@ -144,16 +161,17 @@ def traced_ops(module: torch.nn.Module, inductor: bool, *args: torch.Tensor) -> 
 
 
 class Block(torch.nn.Module):
-    """The four ops, as a decoder layer uses them."""
+    """The ops, as a decoder layer uses them."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.proj = Linear(16, [16])
         self.norm = RMSNorm(16)
         self.rotary = RotaryEmbedding(8, 32, 10000.0, LLAMA3_SCALING)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        normed = self.norm(x)
+        normed = self.norm(self.proj(x))
         x, residual = self.norm(x, residual)
         q, k = self.rotary(pos, x, normed)
         return self.act(torch.cat([q, k], dim=-1)) + residual
@@ -209,8 +227,12 @@ def test_tc_piecewise_traces_the_selected_impl(
     with tc_engine(tiny_llama, tmp_path, compiler, custom_ops=entries) as eng:
         info = eng.get_server_info()
         graph = (Path(info["compile"]["cache_dir"]) / "computation_graph.py").read_text()
+        traced = set(re.findall(r"torch\.ops\.srt\.(\w+)\.default", graph))
+        # With the skinny kernel selected, the MLP's SiLU-and-mul is fused into its product.
+        if "skinny_matmul_silu_and_mul" in traced:
+            traced |= {"skinny_matmul", "silu_and_mul"}
         for op in OPS:
-            assert (f"torch.ops.srt.{op}.default" in graph) == kernels_traced, op
+            assert (op in traced) == kernels_traced, op
         assert greedy_ids(eng) == reference
 
 
@@ -256,9 +278,17 @@ def poisoned_run(op: Callable, args: tuple) -> list[torch.Tensor]:
     from srt.layers.triton_ops.rms_norm import rms_norm_into
     from srt.layers.triton_ops.rotary import rotary_into
     from srt.layers.triton_ops.silu_and_mul import silu_and_mul_into
+    from srt.layers.triton_ops.skinny_matmul import skinny_matmul_into
 
     outs = [torch.full_like(t, float("nan")) for t in _leaves(op(*args))]
-    if op is rms_norm_kernel:
+    if op in (skinny_matmul_kernel, skinny_matmul_silu_and_mul_kernel):
+        x, weight, third = args
+        gated = op is skinny_matmul_silu_and_mul_kernel
+        config = skinny_config(x, weight, gated)
+        if config is None:  # cuBLAS's rows: nothing of ours to poison
+            return [op(*args)]
+        skinny_matmul_into(outs[0], x, weight, None if gated else third, config, gated)
+    elif op is rms_norm_kernel:
         rms_norm_into(outs[0], *args)
     elif op is fused_add_rms_norm_kernel:
         x, residual, weight, eps = args
@@ -273,7 +303,19 @@ def poisoned_run(op: Callable, args: tuple) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_kernels_match_the_reference(device: str, dtype: torch.dtype) -> None:
-    for op, reference, args in op_cases(dtype, device):
+    cases = op_cases(dtype, device)
+    with skinny_cases_table(device):
+        ran = [
+            skinny_config(args[0], args[1], op is skinny_matmul_silu_and_mul_kernel)
+            for op, _, args in cases
+            if op in (skinny_matmul_kernel, skinny_matmul_silu_and_mul_kernel)
+        ]
+        assert sum(c is not None for c in ran) == 5, ran  # all but the 20 rows ran the kernel
+        _check_cases(cases, dtype)
+
+
+def _check_cases(cases: list, dtype: torch.dtype) -> None:
+    for op, reference, args in cases:
         for out, expected in zip(poisoned_run(op, args), _leaves(reference(*args)), strict=True):
             torch.testing.assert_close(
                 out, expected, **tolerance(dtype), msg=lambda m, op=op: f"{op}: {m}"
@@ -334,18 +376,49 @@ def test_argmax_kernel_gives_torch_argmax(device: str, dtype: torch.dtype) -> No
 ARCHS = [("llama", {"rope_scaling": "llama3"}), ("qwen3", {})]  # rope scaling; q/k norm
 
 
+def model_products(path: Path) -> list[tuple[int, int, bool]]:
+    """The decode step's products of the checkpoint at `path`: (weight rows, inputs, gated)."""
+    config = json.loads((path / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config["num_key_value_heads"] * head_dim
+    inter = config["intermediate_size"]
+    return [
+        (heads * head_dim + 2 * kv, hidden, False),
+        (hidden, heads * head_dim, False),
+        (2 * inter, hidden, True),
+        (hidden, inter, False),
+        (config["vocab_size"], hidden, False),
+    ]
+
+
 def greedy_ids_kernels_on_and_off(path: Path, device: str, **options: Any) -> dict[str, Any]:
-    """Greedy ids of the model with every kernel off (`none`) and every one on (`all`)."""
+    """Greedy ids of the model with every kernel off (`none`) and every one on (`all`), the
+    skinny matmul kernel running every product of up to 8 rows (a table that says so)."""
     ids = {}
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    launches: list[int] = []
+    import srt.layers.triton_ops.skinny_matmul as skinny
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        launches.append(args[1].shape[0])
+        original(*args, **kwargs)
+
+    original = skinny.skinny_matmul_into
     for entries in (["none"], ["all"]):
-        with Engine(
-            model_path=str(path), device=device, dtype="float32", custom_ops=entries, **options
-        ) as eng:
+        with (
+            skinny_table_for(name, skinny_entries(model_products(path), ["float32"])),
+            mock.patch.object(skinny, "skinny_matmul_into", counted),
+            Engine(
+                model_path=str(path), device=device, dtype="float32", custom_ops=entries, **options
+            ) as eng,
+        ):
             if device == "cpu":  # the runner never picks kernels without CUDA: force them
                 apply_custom_ops(eng.runner.model, resolve_custom_ops(entries, None))
             norm = eng.runner.model.model.norm
             assert norm.uses_kernel("fused_add_rms_norm") == (entries == ["all"])
             ids[entries[0]] = greedy_ids(eng)
+        assert bool(launches) == (entries == ["all"]), launches
     return ids
 
 

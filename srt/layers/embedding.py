@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.distributed import all_gather_last_dim, all_reduce, padded_shard, tp_size
-from srt.layers.linear import CheckpointTensor, check_shape
+from srt.layers.custom_op import CustomOp
+from srt.layers.linear import CheckpointTensor, check_shape, linear
 
 
 class _VocabRows(nn.Module):
@@ -43,11 +44,12 @@ class VocabEmbedding(_VocabRows):
         return all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0))
 
 
-class LMHead(_VocabRows):
-    """Projects hidden states to float32 vocabulary logits (matmul in the model dtype)."""
+class LMHead(_VocabRows, CustomOp):
+    """Projects hidden states to float32 vocabulary logits (matmul in the model dtype; the
+    `skinny_matmul` op, see linear.py)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(self, hidden, self.weight, None)
         if tp_size() > 1:
             logits = all_gather_last_dim(logits)[..., : self.vocab_size]
         return logits.float()

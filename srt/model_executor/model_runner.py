@@ -36,6 +36,7 @@ from srt.ipc.messages import BatchPlan, BatchResult
 from srt.ipc.reports import RankInfo, RunnerInfo
 from srt.layers.attention.registry import attention_backend_class
 from srt.layers.custom_op import custom_ops_info
+from srt.layers.linear import warm_skinny_matmuls
 from srt.model_config import ModelConfig
 from srt.model_executor.graphs.config import resolve_graph_config
 from srt.model_executor.graphs.graph_runner import GraphRunner, init_attention_graph_state
@@ -231,11 +232,16 @@ class ModelRunner:
                 batch, logits = runner.run_general(plan)
                 step_result(plan, logits, next_token_ids(plan, batch, logits, runner)).wait()
             self.req_to_token[WARMUP_ROW].copy_(row)
+            # The steps above ran one row count of decode: the skinny kernels of the others.
+            skinny = warm_skinny_matmuls(self.model)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start  # each step's result was waited for
         logger.info(
             "warm-up: %d dummy steps (a prompt, a prefill over a prefix, decode, sampling, "
-            "logprobs) in %.2f s (--skip-warmup skips it)",
+            "logprobs) and %d skinny matmul launches in %.2f s (--skip-warmup skips it)",
             len(plans),
+            skinny,
             seconds,
         )
         return seconds

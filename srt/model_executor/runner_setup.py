@@ -17,6 +17,7 @@ from srt.compilation.cache_key import CacheFactors, collect_factors
 from srt.compilation.cache_root import CacheRoot
 from srt.distributed import min_over_ranks
 from srt.layers.custom_op import apply_custom_ops, custom_ops_info, describe_custom_ops
+from srt.layers.linear import skinny_table_fingerprint
 from srt.model_config import ModelConfig
 from srt.model_executor.graphs.config import Backend, Phase, PhaseConfig
 from srt.model_executor.kv_cache import kv_bytes_per_token
@@ -168,6 +169,8 @@ def compile_cache_factors(
             "attention_backend": attention_backend,
             "graphs": {p.value: [c.backend.value, c.tc_compiler] for p, c in configs.items()},
             "custom_ops": custom_ops_info(custom_ops),
+            # Which products the skinny kernel runs, with which tiles (an opaque op's choice).
+            "skinny_matmul_table": skinny_table_fingerprint(device),
             # Each rank traces and compiles its own shard's graph.
             "tp": [tp.size, tp.rank],
         },

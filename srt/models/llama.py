@@ -29,7 +29,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul_of(x, self.act_fn))
 
 
 class LlamaAttention(nn.Module):
