@@ -27,6 +27,22 @@ _MAX_PORT = 65535
 # main process (the HTTP server, tokenizing, streaming) needs one beside them.
 DEFAULT_BUSY_POLL_S = 0.05
 BUSY_POLL_MIN_CPUS = 4
+# --tokenizer-worker-num by default: a second front-end process where the host has a core for
+# it beside the two polling processes and the main one, and some to spare. One streams about
+# 48,000 tokens a second at 128 concurrent streams, less than a 1B model decodes on an H200
+# (64,000 at batch 128); two carry 76,000 (docs/benchmarks.md, r10a).
+TOKENIZER_WORKERS_MIN_CPUS = 8
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a container's share, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+
+def default_tokenizer_workers(cpus: int | None = None) -> int:
+    """--tokenizer-worker-num 0 (unset): 2 on a host of `cpus` (default: `usable_cpus()`) of at
+    least TOKENIZER_WORKERS_MIN_CPUS, else 1."""
+    return 2 if (usable_cpus() if cpus is None else cpus) >= TOKENIZER_WORKERS_MIN_CPUS else 1
 
 
 def _opt(default: Any, help: str, **kwargs: Any) -> Any:
@@ -163,14 +179,20 @@ class ServerArgs:
         "(SGLang's flag; its default is the whole output, which SGLang's clients read).",
     )
     tokenizer_worker_num: int = _opt(
-        1,
+        0,
         "Front-end processes sharing the HTTP port, each with its own tokenizer, "
         "detokenization and streams: the main process and N-1 more, a connection served by "
         "one of them (SGLang's flag; vLLM's --api-server-count is the same). More than one "
-        "when streaming is a CPU's work: many concurrent streams of a fast model.",
+        "when streaming is a CPU's work: many concurrent streams of a fast model. 0 (the default): "
+        f"2 on a host of {TOKENIZER_WORKERS_MIN_CPUS} or more CPUs this process may use, else 1.",
         aliases=["--api-server-count"],
     )
     log_level: str = _opt("info", "Logging level.", choices=LOG_LEVELS, type=str.lower)
+
+    def __post_init__(self) -> None:
+        # Resolved once, where the args are made: every process is handed the same count.
+        if self.tokenizer_worker_num == 0:
+            self.tokenizer_worker_num = default_tokenizer_workers()
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -306,8 +328,8 @@ class ServerArgs:
         one, else none."""
         if self.busy_poll_ms is not None:
             return self.busy_poll_ms / 1000
-        if cpus is None:  # the ones this process may run on (a container's share)
-            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        if cpus is None:
+            cpus = usable_cpus()
         if device_type == "cuda" and cpus >= BUSY_POLL_MIN_CPUS:
             return DEFAULT_BUSY_POLL_S
         return 0.0

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from server_helpers import ServerProcess, assert_a_death_takes_it_down, child_pids, still_alive
 
-from srt.server_args import ServerArgs, ServerArgsError
+from srt.server_args import ServerArgs, ServerArgsError, default_tokenizer_workers
 
 WORKERS = 3
 
@@ -164,4 +164,16 @@ def test_the_flag_and_its_vllm_name() -> None:
         args = ServerArgs.from_cli_args(parser.parse_args([flag, "4"]))
         assert args.tokenizer_worker_num == 4
     with pytest.raises(ServerArgsError, match="--tokenizer-worker-num: must be a positive"):
-        ServerArgs(tokenizer_worker_num=0).check()
+        ServerArgs(tokenizer_worker_num=-1).check()
+
+
+def test_the_default_count_follows_the_hosts_cpus() -> None:
+    assert [default_tokenizer_workers(cpus) for cpus in (1, 2, 7, 8, 16)] == [1, 1, 1, 2, 2]
+    # Resolved as the args are made, from this host's CPUs (0 asks for it); a count given stays.
+    assert ServerArgs().tokenizer_worker_num == default_tokenizer_workers()
+    assert ServerArgs(tokenizer_worker_num=0).tokenizer_worker_num == default_tokenizer_workers()
+    assert ServerArgs(tokenizer_worker_num=3).tokenizer_worker_num == 3
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args([]))
+    assert args.tokenizer_worker_num == default_tokenizer_workers()
