@@ -38,8 +38,12 @@ class Req:
     matched_stop: int | str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    steps_in_flight: int = 0  # planned steps with this request whose result is not back
-    pending_outputs: int = 0  # tokens those steps sample for it (not known here yet)
+    # The number of the latest step planned with it: the steps in flight have it until that
+    # step's result is processed (results are processed in order).
+    last_step: int = 0
+    # Output tokens known plus those the steps in flight will sample: counted when planned,
+    # so that processing a result leaves it alone.
+    planned_outputs: int = 0
 
     @property
     def slots(self) -> np.ndarray:
@@ -56,9 +60,11 @@ class Req:
 
     def add_slot(self, slot: int) -> None:
         """One slot (a decode step's): a scalar store, cheaper than a slice's."""
-        end = self._room(1)  # first: it may replace the buffer
-        self.slot_buf[end - 1] = slot
-        self.num_slots = end
+        n = self.num_slots
+        if n == len(self.slot_buf):
+            self._room(1)  # first: it replaces the buffer
+        self.slot_buf[n] = slot
+        self.num_slots = n + 1
 
     def _room(self, n: int) -> int:
         """Grow the buffer to hold `n` more slots; where they end."""
@@ -79,9 +85,9 @@ class Req:
         return len(self.input_ids) + self.max_new_tokens - self.num_slots
 
     @property
-    def planned_outputs(self) -> int:
-        """Output tokens known plus those the steps in flight will sample."""
-        return len(self.output_ids) + self.pending_outputs
+    def pending_outputs(self) -> int:
+        """Tokens the steps in flight sample for it (not known here yet), while it runs."""
+        return self.planned_outputs - len(self.output_ids)
 
 
 @dataclass
