@@ -49,7 +49,7 @@ class Admission:
             extend = self._take(req, budget)
             items.append((req, extend))
             budget -= extend
-            self.counters.prompt_tokens += len(req.input_ids)
+            self.counters.prompt_tokens += req.prompt_len
             self.counters.cached_tokens += req.cached_tokens
         return items
 
@@ -63,7 +63,7 @@ class Admission:
     def _take(self, req: Req, budget: int) -> int:
         """How many of the prompt tokens `req` has not computed yet this step computes; the
         request is the chunked one if that is not all of them."""
-        remaining = len(req.input_ids) - req.kv_len
+        remaining = req.prompt_len - req.kv_len
         extend = min(remaining, self.args.chunked_prefill_size, budget)
         self.chunked = req if extend < remaining else None
         return extend

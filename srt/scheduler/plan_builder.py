@@ -114,12 +114,16 @@ def _decode_tokens(
     for req, slot in zip(reqs, new.tolist(), strict=True):
         req.add_slot(slot)
         req.table_len = req.kv_len + 1
-    pending = np.fromiter((r.pending_outputs for r in reqs), np.int32, n)
+    pending = _pending(reqs)
     if pending.all():
         # Overlapped decoding's usual step: every input is a token a step in flight samples,
         # which stays on the device; none is read here.
         return _Tokens(np.zeros(n, np.int32), kv_lens, new, req_rows, kv_lens, new, req_rows)
-    ids = np.fromiter((r.output_ids[-1] if not r.pending_outputs else 0 for r in reqs), np.int32, n)
+    ids = np.fromiter(
+        (0 if p else r.output_ids[-1] for r, p in zip(reqs, pending.tolist(), strict=True)),
+        np.int32,
+        n,
+    )
     input_from_row = None
     if pending.any():
         input_from_row = np.where(pending > 0, req_rows, -1).astype(np.int32)
@@ -127,23 +131,27 @@ def _decode_tokens(
 
 
 def _extend_tokens(reqs: list[Req], extends: list[int], alloc: AllocSlots) -> _Tokens:
-    per_req = [_extend_one(req, extend, alloc) for req, extend in zip(reqs, extends, strict=True)]
+    pending = _pending(reqs).tolist()
+    per_req = [
+        _extend_one(req, extend, p, alloc)
+        for req, extend, p in zip(reqs, extends, pending, strict=True)
+    ]
     tokens = _Tokens(*(np.concatenate(part) for part in zip(*per_req, strict=True)))
-    if not any(r.prompt_done and r.pending_outputs for r in reqs):
+    if not any(r.prompt_done and p for r, p in zip(reqs, pending, strict=True)):
         tokens = tokens._replace(input_from_row=None)
     return tokens
 
 
-def _extend_one(req: Req, extend: int, alloc: AllocSlots) -> _Tokens:
+def _extend_one(req: Req, extend: int, pending: int, alloc: AllocSlots) -> _Tokens:
     """One request's tokens in an extend step: the next `extend` of its prompt, or its last
-    output (a decode riding along in a mixed step), with where each input id is, as
-    `input_from_row`."""
+    output (a decode riding along in a mixed step; `pending`: the tokens steps in flight
+    sample for it), with where each input id is, as `input_from_row`."""
     new = alloc(extend)
     start, end = req.kv_len, req.kv_len + extend
     req.add_slots(new)
     if req.prompt_done:
-        ids = np.array([0 if req.pending_outputs else req.output_ids[-1]], np.int32)
-        sources = np.array([req.row if req.pending_outputs else -1], np.int32)
+        ids = np.array([0 if pending else req.output_ids[-1]], np.int32)
+        sources = np.array([req.row if pending else -1], np.int32)
     else:
         ids = np.asarray(req.input_ids[start:end], np.int32)
         sources = np.full(extend, -1, np.int32)
@@ -159,3 +167,10 @@ def _extend_one(req: Req, extend: int, alloc: AllocSlots) -> _Tokens:
     )
     req.table_len = end
     return tokens
+
+
+def _pending(reqs: list[Req]) -> np.ndarray:
+    """How many tokens the steps in flight sample for each of `reqs`, not known here yet (an
+    input that is one of them stays on the device)."""
+    n = len(reqs)
+    return np.fromiter([r.planned_outputs - len(r.output_ids) for r in reqs], np.int32, n)

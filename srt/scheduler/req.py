@@ -44,6 +44,10 @@ class Req:
     # Output tokens known plus those the steps in flight will sample: counted when planned,
     # so that processing a result leaves it alone.
     planned_outputs: int = 0
+    prompt_len: int = field(init=False)  # len(input_ids), which never change: read every step
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.input_ids)
 
     @property
     def slots(self) -> np.ndarray:
@@ -77,17 +81,12 @@ class Req:
 
     @property
     def prompt_done(self) -> bool:
-        return self.kv_len >= len(self.input_ids)
+        return self.kv_len >= self.prompt_len
 
     @property
     def future_need(self) -> int:
         """KV slots this request may still allocate."""
-        return len(self.input_ids) + self.max_new_tokens - self.num_slots
-
-    @property
-    def pending_outputs(self) -> int:
-        """Tokens the steps in flight sample for it (not known here yet), while it runs."""
-        return self.planned_outputs - len(self.output_ids)
+        return self.prompt_len + self.max_new_tokens - self.num_slots
 
 
 @dataclass

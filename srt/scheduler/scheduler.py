@@ -229,7 +229,7 @@ class Scheduler:
         a token for it (it does once the prompt is planned in full)."""
         samples = []
         for req, extend in zip(reqs, extends, strict=True):
-            prompt_len = len(req.input_ids)
+            prompt_len = req.prompt_len
             was_prefilling = req.kv_len < prompt_len
             req.kv_len += extend
             req.last_step = self.step_count

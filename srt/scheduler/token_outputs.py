@@ -17,7 +17,7 @@ def take_sample(req: Req, token: int, result: BatchResult, i: int, eos_token_ids
     output_ids = req.output_ids
     output_ids.append(token)
     p = req.params
-    if p.logprobs and result.logprobs is not None:
+    if result.logprobs is not None and p.logprobs:
         _record_logprobs(req, result, i)
     if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
         req.finished_reason, req.matched_stop = "stop", token
@@ -65,7 +65,7 @@ def _add_outputs(
         token_ids,
         [r.finished_reason for r in reqs],
         [r.matched_stop for r in reqs],
-        [len(r.input_ids) for r in reqs],
+        [r.prompt_len for r in reqs],
         [len(r.output_ids) for r in reqs],
         [r.cached_tokens for r in reqs],
         # A request's top logprobs are recorded with its logprobs, never alone.
