@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from srt.ipc.channels import dumps, loads
-from srt.ipc.messages import BatchPlan, StepOutputs, TokenOutput
+from srt.ipc.messages import BatchPlan, StepOutputs, StepOutputsBuilder, TokenOutput
 from srt.server.seq_outputs import coalesce
 
 
@@ -37,6 +37,26 @@ def test_step_outputs_round_trip() -> None:
     assert packed.unpack() == outputs()
     assert loads(dumps(packed)).unpack() == outputs()
     assert StepOutputs.pack([]).unpack() == []
+
+
+def test_outputs_added_in_parts_keep_their_logprobs() -> None:
+    """Columns added in several parts (the outputs of several steps in one message) keep each
+    request's logprobs on its own tokens."""
+    a, b, _, d, _ = outputs()
+    builder = StepOutputsBuilder()
+    builder.add(["a"], [1], [5], [None], [None], [3], [1], [0], {})
+    builder.add(
+        ["b", "d"],
+        [2, 1],
+        [7, 8, 9],
+        ["stop", None],
+        [8, None],
+        [4, 0],
+        [9, 0],
+        [2, 0],
+        {0: (b.logprobs, b.top_logprobs), 1: (d.logprobs, d.top_logprobs)},
+    )
+    assert builder.build().unpack() == [a, b, d]
 
 
 def test_large_arrays_travel_out_of_band() -> None:

@@ -340,6 +340,42 @@ def test_stream_interval_sends_fewer_larger_outputs(overlap: int) -> None:
     assert_no_leak(sched)
 
 
+def test_plans_carry_each_request_s_own_sampling_parameters() -> None:
+    """A plan's sampling arrays are gathered from its requests' table rows: with two rows for
+    six requests, each row is reused, and every plan's arrays are still those of the
+    requests it holds."""
+    sched, runner = make_scheduler(max_running_requests=2, enable_mixed_chunk=True)
+    for i in range(6):
+        params = SamplingParams(
+            max_new_tokens=2 + i % 3,
+            temperature=0.1 * i,
+            top_p=1 - 0.1 * i,
+            top_k=[-1, 3][i % 2],
+            min_p=0.01 * i,
+            seed=100 + i,
+            logprobs=i == 3,
+            top_logprobs_num=2 if i == 3 else 0,
+        )
+        sched.add_request(GenerateReq(f"r{i}", [1 + i, 2, 3], params))
+    seen = set()
+    while sched.has_work:
+        scheduled = sched.schedule()
+        assert scheduled is not None
+        plan, reqs = scheduled.plan, scheduled.reqs
+        params = [r.params for r in reqs]
+        assert plan.temperatures.tolist() == pytest.approx([p.temperature for p in params])
+        assert plan.top_ps.tolist() == pytest.approx([p.top_p for p in params])
+        assert plan.top_ks.tolist() == [p.top_k if p.top_k > 0 else VOCAB for p in params]
+        assert plan.min_ps.tolist() == pytest.approx([p.min_p for p in params])
+        assert plan.seeds.tolist() == [r.seed for r in reqs] == [p.seed for p in params]
+        assert plan.return_logprob == any(p.logprobs for p in params)
+        assert plan.top_logprobs_num == max(p.top_logprobs_num for p in params)
+        seen |= {(r.row, r.rid) for r in reqs}
+        sched.process_result(scheduled, runner.forward(plan))
+    assert len(seen) == 6 and {row for row, _ in seen} == {0, 1}
+    assert_no_leak(sched)
+
+
 def test_slots_added_one_at_a_time_survive_the_buffer_growing() -> None:
     req = Req("a", [1], SamplingParams(), 0)
     req.add_slots(np.arange(3, dtype=np.int32))

@@ -19,7 +19,7 @@ that worker alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import chain, compress
 
 import numpy as np
 
@@ -208,19 +208,22 @@ class StepOutputs(PackedArrays, ToTokenizer):
     @classmethod
     def pack(cls, outputs: list[TokenOutput]) -> StepOutputs:
         packed = StepOutputsBuilder()
-        for o in outputs:
-            packed.add(
-                o.rid,
-                o.new_token_ids,
-                o.finished_reason,
-                o.matched_stop,
-                o.prompt_tokens,
-                o.completion_tokens,
-                o.cached_tokens,
-                o.logprobs,
-                o.top_logprobs,
-                o.error,
-            )
+        packed.add(
+            [o.rid for o in outputs],
+            [len(o.new_token_ids) for o in outputs],
+            list(chain.from_iterable(o.new_token_ids for o in outputs)),
+            [o.finished_reason for o in outputs],
+            [o.matched_stop for o in outputs],
+            [o.prompt_tokens for o in outputs],
+            [o.completion_tokens for o in outputs],
+            [o.cached_tokens for o in outputs],
+            {
+                j: (o.logprobs, o.top_logprobs)
+                for j, o in enumerate(outputs)
+                if o.logprobs or o.top_logprobs
+            },
+            [o.error for o in outputs],
+        )
         return packed.build()
 
     def __len__(self) -> int:
@@ -283,10 +286,11 @@ class StepOutputs(PackedArrays, ToTokenizer):
 
 
 class StepOutputsBuilder:
-    """A step's `StepOutputs`, built column by column as each request's output is added: the
-    scheduler adds its requests' outputs here as it processes a step's sampled ids, so that no
-    `TokenOutput` per request per step is made only to be packed (`StepOutputs.pack` builds
-    through it too). `add` takes a `TokenOutput`'s fields, in their order."""
+    """A step's `StepOutputs`, built column by column: the scheduler adds its requests'
+    outputs here as it processes a step's sampled ids, so that no `TokenOutput` per request
+    per step is made only to be packed (`StepOutputs.pack` builds through it too). `add`
+    takes whole columns: a call per request would cost more than the columns' own work at a
+    large batch."""
 
     def __init__(self) -> None:
         self.rids: list[str] = []
@@ -294,59 +298,69 @@ class StepOutputsBuilder:
         self.token_ids: list[int] = []
         self.finished_reasons: list[str | None] = []
         self.matched_stops: list[int | str | None] = []
-        self.lengths: list[int] = []  # prompt, completion and cached tokens, flat
+        self.prompt_tokens: list[int] = []
+        self.completion_tokens: list[int] = []
+        self.cached_tokens: list[int] = []
         self.errors: list[str | None] = []
-        # (row, its first token, logprobs, top logprobs) of the few requests that asked for
-        # logprobs: filled in at `build`, so that the others cost nothing for them.
-        self.with_logprobs: list[tuple[int, int, list[float], list[list[tuple[int, float]]]]] = []
+        # (row, logprobs, top logprobs) of the few requests that asked for logprobs: filled
+        # in at `build`, so that the others cost nothing for them.
+        self.with_logprobs: list[tuple[int, list[float], list[list[tuple[int, float]]]]] = []
 
     def add(
         self,
-        rid: str,
-        new_token_ids: list[int],
-        finished_reason: str | None = None,
-        matched_stop: int | str | None = None,
-        prompt_tokens: int = 0,
-        completion_tokens: int = 0,
-        cached_tokens: int = 0,
-        logprobs: list[float] | None = None,
-        top_logprobs: list[list[tuple[int, float]]] | None = None,
-        error: str | None = None,
+        rids: list[str],
+        counts: list[int],
+        token_ids: list[int],
+        finished_reasons: list[str | None],
+        matched_stops: list[int | str | None],
+        prompt_tokens: list[int],
+        completion_tokens: list[int],
+        cached_tokens: list[int],
+        logprobs: dict[int, tuple[list[float], list[list[tuple[int, float]]]]],
+        errors: list[str | None] | None = None,
     ) -> None:
-        if logprobs or top_logprobs:
-            self.with_logprobs.append(
-                (len(self.rids), len(self.token_ids), logprobs or [], top_logprobs or [])
-            )
-        self.rids.append(rid)
-        self.counts.append(len(new_token_ids))
-        self.token_ids += new_token_ids
-        self.finished_reasons.append(finished_reason)
-        self.matched_stops.append(matched_stop)
-        self.lengths += (prompt_tokens, completion_tokens, cached_tokens)
-        self.errors.append(error)
+        """The outputs of the requests `rids`, each of its `counts` new ids (concatenated in
+        `token_ids`); `logprobs` holds the logprobs and top logprobs of the new ids of those
+        that have any, by their index in `rids`; `errors` None: none."""
+        first = len(self.rids)
+        for j, (lps, top) in logprobs.items():
+            self.with_logprobs.append((first + j, lps, top))
+        self.rids += rids
+        self.counts += counts
+        self.token_ids += token_ids
+        self.finished_reasons += finished_reasons
+        self.matched_stops += matched_stops
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.cached_tokens += cached_tokens
+        self.errors += errors if errors is not None else [None] * len(rids)
 
     def build(self) -> StepOutputs:
         r, n = len(self.rids), len(self.token_ids)
+        counts = np.array(self.counts, np.int32)
         has_logprobs = np.zeros(r, bool)
         top_counts = np.zeros(r, np.int32)
-        for row, _, lps, top in self.with_logprobs:
+        for row, lps, top in self.with_logprobs:
             has_logprobs[row] = bool(lps)
             top_counts[row] = len(top[0]) if top else 0
         logprobs = np.zeros(n if has_logprobs.any() else 0, np.float32)
-        k = int(top_counts.max()) if r else 0
+        k = int(top_counts.max()) if self.with_logprobs else 0
         top_ids, top_vals = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
-        for _, start, lps, top in self.with_logprobs:
+        starts = (np.cumsum(counts) - counts).tolist() if self.with_logprobs else []
+        for row, lps, top in self.with_logprobs:
+            start = starts[row]
             logprobs[start : start + len(lps)] = lps
             for j, pairs in enumerate(top):
                 for col, (t, v) in enumerate(pairs):
                     top_ids[start + j, col], top_vals[start + j, col] = t, v
+        lengths = (self.prompt_tokens, self.completion_tokens, self.cached_tokens)
         return StepOutputs(
             rids=self.rids,
-            counts=np.array(self.counts, np.int32),
+            counts=counts,
             token_ids=np.array(self.token_ids, np.int32),
             finished_reasons=self.finished_reasons,
             matched_stops=self.matched_stops,
-            lengths=np.array(self.lengths, np.int32).reshape(-1, 3),
+            lengths=np.array(lengths, np.int32).T.copy(),
             logprobs=logprobs,
             has_logprobs=has_logprobs,
             top_counts=top_counts,

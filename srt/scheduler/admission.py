@@ -11,21 +11,26 @@ from __future__ import annotations
 from collections import deque
 
 from srt.scheduler.kv_accounting import KVAccounting
+from srt.scheduler.plan_builder import SamplingRows
 from srt.scheduler.req import Req, StepCounters
 from srt.server_args import ServerArgs
 
 
 class Admission:
-    def __init__(self, args: ServerArgs, kv: KVAccounting, counters: StepCounters) -> None:
+    def __init__(
+        self, args: ServerArgs, kv: KVAccounting, sampling: SamplingRows, counters: StepCounters
+    ) -> None:
         self.args = args
         self.kv = kv
+        self.sampling = sampling
         self.counters = counters
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # the request whose prompt is half planned
 
     def next_prefill(self, running: int) -> list[tuple[Req, int]]:
         """The next prefill step's requests, each with how many prompt tokens it computes;
-        `running` is how many requests decode. Requests taken are admitted (KV reserved)."""
+        `running` is how many requests decode. Requests taken are admitted: KV reserved, their
+        sampling parameters in their table row."""
         budget = self.args.max_prefill_tokens
         if self.chunked is not None:
             return [(self.chunked, self._take(self.chunked, budget))]
@@ -39,11 +44,12 @@ class Admission:
             req = self.waiting[0]
             if not self.kv.admit(req):
                 break
+            self.sampling.write(req)
             self.waiting.popleft()
             extend = self._take(req, budget)
             items.append((req, extend))
             budget -= extend
-            self.counters.prompt_tokens += len(req.input_ids)
+            self.counters.prompt_tokens += req.prompt_len
             self.counters.cached_tokens += req.cached_tokens
         return items
 
@@ -57,7 +63,7 @@ class Admission:
     def _take(self, req: Req, budget: int) -> int:
         """How many of the prompt tokens `req` has not computed yet this step computes; the
         request is the chunked one if that is not all of them."""
-        remaining = len(req.input_ids) - req.kv_len
+        remaining = req.prompt_len - req.kv_len
         extend = min(remaining, self.args.chunked_prefill_size, budget)
         self.chunked = req if extend < remaining else None
         return extend

@@ -38,8 +38,16 @@ class Req:
     matched_stop: int | str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    steps_in_flight: int = 0  # planned steps with this request whose result is not back
-    pending_outputs: int = 0  # tokens those steps sample for it (not known here yet)
+    # The number of the latest step planned with it: the steps in flight have it until that
+    # step's result is processed (results are processed in order).
+    last_step: int = 0
+    # Output tokens known plus those the steps in flight will sample: counted when planned,
+    # so that processing a result leaves it alone.
+    planned_outputs: int = 0
+    prompt_len: int = field(init=False)  # len(input_ids), which never change: read every step
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.input_ids)
 
     @property
     def slots(self) -> np.ndarray:
@@ -56,9 +64,11 @@ class Req:
 
     def add_slot(self, slot: int) -> None:
         """One slot (a decode step's): a scalar store, cheaper than a slice's."""
-        end = self._room(1)  # first: it may replace the buffer
-        self.slot_buf[end - 1] = slot
-        self.num_slots = end
+        n = self.num_slots
+        if n == len(self.slot_buf):
+            self._room(1)  # first: it replaces the buffer
+        self.slot_buf[n] = slot
+        self.num_slots = n + 1
 
     def _room(self, n: int) -> int:
         """Grow the buffer to hold `n` more slots; where they end."""
@@ -71,17 +81,12 @@ class Req:
 
     @property
     def prompt_done(self) -> bool:
-        return self.kv_len >= len(self.input_ids)
+        return self.kv_len >= self.prompt_len
 
     @property
     def future_need(self) -> int:
         """KV slots this request may still allocate."""
-        return len(self.input_ids) + self.max_new_tokens - self.num_slots
-
-    @property
-    def planned_outputs(self) -> int:
-        """Output tokens known plus those the steps in flight will sample."""
-        return len(self.output_ids) + self.pending_outputs
+        return self.prompt_len + self.max_new_tokens - self.num_slots
 
 
 @dataclass

@@ -50,9 +50,9 @@ from srt.ipc.reports import SchedulerInfo
 from srt.request_limits import RequestLimits, check_seq
 from srt.scheduler.admission import Admission
 from srt.scheduler.kv_accounting import KVAccounting
-from srt.scheduler.plan_builder import build_plan
+from srt.scheduler.plan_builder import SamplingRows, build_plan
 from srt.scheduler.req import Req, ScheduledStep, StepCounters
-from srt.scheduler.token_outputs import add_output_if_due, take_sample, token_output
+from srt.scheduler.token_outputs import add_outputs_if_due, take_sample, token_output
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -73,13 +73,17 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.kv = KVAccounting(num_slots, args.max_running_requests, args.enable_prefix_caching)
         self.counters = StepCounters()
-        self.admission = Admission(args, self.kv, self.counters)
+        self.sampling = SamplingRows(args.max_running_requests, vocab_size)
+        self.admission = Admission(args, self.kv, self.sampling, self.counters)
         # Requests whose prompt is planned in full and that may decode, in admission order
         # (a dict: removal by rid is O(1)).
         self.running: dict[str, Req] = {}
         self.reqs: dict[str, Req] = {}
         self.rng = random.Random(args.seed)
         self.step_count = 0
+        # The number of the latest step whose result is processed: steps are processed in
+        # the order they are planned, so those in flight are the ones numbered past it.
+        self.processed_step = 0
         # Overlap: the steps launched but not yet processed, oldest first, each with how to
         # wait for its result; at most `overlap_depth` stay in flight after a step is taken.
         self.in_flight: deque[tuple[ScheduledStep, Callable[[], BatchResult]]] = deque()
@@ -126,7 +130,7 @@ class Scheduler:
             return None
         req.finished_reason = "abort"
         self._finish(req)
-        return token_output(req, [])
+        return token_output(req)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only when no request is in flight."""
@@ -145,23 +149,24 @@ class Scheduler:
         """Plan the next batch (prefill if any request can be admitted, else decode) and
         commit its effects, so that the step after it can be planned at once."""
         items = self.admission.next_prefill(len(self.running))
+        reqs, extends = [r for r, _ in items], [e for _, e in items]
         mode = ForwardMode.EXTEND
         # Length limits are known in advance: a request whose last token is already planned
         # is not decoded again.
-        decoding = [(r, 1) for r in self.running.values() if r.planned_outputs < r.max_new_tokens]
-        if not items:
-            items, mode = decoding, ForwardMode.DECODE
+        decoding = [r for r in self.running.values() if r.planned_outputs < r.max_new_tokens]
+        if not reqs:
+            reqs, extends, mode = decoding, [1] * len(decoding), ForwardMode.DECODE
         elif self.args.enable_mixed_chunk:
             # The running requests ride along, one token each, so that admitting a request
             # does not stall every other stream for a step.
-            items += decoding
+            reqs += decoding
+            extends += [1] * len(decoding)
             self.counters.mixed_decode_tokens += len(decoding)
-        if not items:
+        if not reqs:
             return None
         self.step_count += 1
-        plan = build_plan(mode, items, self.step_count, self.vocab_size, self.kv.alloc)
-        samples = [self._commit(req, extend) for req, extend in items]
-        return ScheduledStep(plan, [r for r, _ in items], samples)
+        plan = build_plan(mode, reqs, extends, self.step_count, self.sampling, self.kv.alloc)
+        return ScheduledStep(plan, reqs, self._commit(reqs, extends))
 
     def process_result(self, step: ScheduledStep, result: BatchResult) -> StepOutputs:
         """Apply a step's sampled ids: stop checks, outputs, and the releases it allows."""
@@ -219,20 +224,24 @@ class Scheduler:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _commit(self, req: Req, extend: int) -> bool:
-        """Commit a planned step's effect on a request: whether the step samples a token for
-        it (it does once the prompt is planned in full)."""
-        prompt_len = len(req.input_ids)
-        was_prefilling = req.kv_len < prompt_len
-        req.kv_len += extend
-        req.steps_in_flight += 1
-        if req.kv_len < prompt_len:
-            return False
-        if req.max_new_tokens > 0:
-            req.pending_outputs += 1
-            if was_prefilling:  # its prompt is planned: it decodes from the next step on
-                self.running[req.rid] = req
-        return True
+    def _commit(self, reqs: list[Req], extends: list[int]) -> list[bool]:
+        """Commit a planned step's effect on its requests: for each, whether the step samples
+        a token for it (it does once the prompt is planned in full)."""
+        samples = []
+        for req, extend in zip(reqs, extends, strict=True):
+            prompt_len = req.prompt_len
+            was_prefilling = req.kv_len < prompt_len
+            req.kv_len += extend
+            req.last_step = self.step_count
+            if req.kv_len < prompt_len:
+                samples.append(False)
+                continue
+            if req.max_new_tokens > 0:
+                req.planned_outputs += 1
+                if was_prefilling:  # its prompt is planned: it decodes from the next step on
+                    self.running[req.rid] = req
+            samples.append(True)
+        return samples
 
     def _process(
         self, step: ScheduledStep, result: BatchResult, outputs: StepOutputsBuilder
@@ -241,41 +250,39 @@ class Scheduler:
             self.counters.decode_steps += 1
         else:
             self.counters.prefill_steps += 1
+        assert step.plan.step > self.processed_step, "steps are processed in order"
+        self.processed_step = step.plan.step
         # One conversion for the step: indexing the array per request costs a numpy scalar
         # each.
         tokens = result.next_token_ids.tolist()
+        eos_token_ids = self.eos_token_ids
+        sampled: list[Req] = []
         generated = 0
         for i, (req, samples) in enumerate(zip(step.reqs, step.samples, strict=True)):
-            req.steps_in_flight -= 1
-            if samples and req.max_new_tokens > 0:
-                req.pending_outputs -= 1
-            if req.finished_reason is not None:  # finished before: this step's token drops
-                if req.steps_in_flight == 0:
+            dropped = req.finished_reason is not None  # finished before: its token drops
+            if dropped:
+                if not self._in_flight(req):
                     self._release(req)
-                continue
-            if not samples:
-                continue
-            generated += self._sampled(req, tokens[i], result, i, outputs)
+            elif samples:
+                generated += take_sample(req, tokens[i], result, i, eos_token_ids)
+                if req.finished_reason is not None:
+                    self._finish(req)
+                sampled.append(req)
         self.counters.generated_tokens += generated
-
-    def _sampled(
-        self, req: Req, token: int, result: BatchResult, i: int, outputs: StepOutputsBuilder
-    ) -> int:
-        """Apply `token`, sampled for `req` at row `i` of `result`, and add the output that
-        says so to `outputs` if one is due (`--stream-interval`): how many ids it adds."""
-        new_ids = take_sample(req, token, result, i, self.eos_token_ids)
-        if req.finished_reason is not None:
-            self._finish(req)
-        add_output_if_due(req, self.args.stream_interval, outputs)
-        return new_ids
+        # After the loop, as columns: an output reads nothing that a release changes.
+        add_outputs_if_due(sampled, self.args.stream_interval, outputs)
 
     def _finish(self, req: Req) -> None:
         """A finished request is planned no more; released now if no step in flight has it,
         else when the last such step comes back."""
         self.running.pop(req.rid, None)
         self.admission.withdraw(req)
-        if req.steps_in_flight == 0:
+        if not self._in_flight(req):
             self._release(req)
+
+    def _in_flight(self, req: Req) -> bool:
+        """Whether a step in flight has `req`."""
+        return req.last_step > self.processed_step
 
     def _release(self, req: Req) -> None:
         self.kv.release(req)
