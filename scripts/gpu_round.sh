@@ -20,7 +20,10 @@
 #                        full --enable-torch-compile, full over
 #                        Inductor pieces, breakable, tc_piecewise eager and inductor, full
 #                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF)
-#                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists)
+#                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists, an
+#                        empty HF_METHODS runs none;
+#                        RUNNER_INPUT_LEN the prompt, default 128, into runner-SHAPE-ctxN;
+#                        RUNNER_BASELINE configs run again from the tree in .baseline)
 #   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list), each
 #                        on every backend of COLD_START_ATTENTION where it is set (e.g.
 #                        "triton flashinfer": both backends' cold and warm starts, compared)
@@ -89,18 +92,20 @@ step() {  # step NAME CMD...: run it, its output in $work/logs/NAME.log; on fail
 }
 
 runner() {  # the decode paths of srt and the alternatives on one shape
-  local shape=$1 file="$out/runner-$1.jsonl" cache="$work/cache-$1"
+  local shape=$1 file="$out/runner-$1${RUNNER_INPUT_LEN:+-ctx$RUNNER_INPUT_LEN}.jsonl"
+  local cache="$work/cache-$1"
   local sizes="1 8 32 128"
   [ "$shape" = llama-3.2-1b ] && sizes="1 8 16 32 64 128"  # beside serving's concurrencies
   sizes=${RUNNER_SIZES:-$sizes}
+  local input_len=${RUNNER_INPUT_LEN:-128}
   local configs=${RUNNER_CONFIGS:-disabled full full-compile full-inductor breakable tc-eager tc-inductor prefill-full}
-  local methods=${HF_METHODS:-hf-eager hf-generate-static cublas-chain hf-compile-reduce-overhead}
+  local methods=${HF_METHODS-hf-eager hf-generate-static cublas-chain hf-compile-reduce-overhead}
   rm -f "$file"
   one() {
     local name=$1; shift
     # shellcheck disable=SC2086
     step "one_batch-$shape-$name" python3 -m srt.bench.one_batch --model-shape "$shape" \
-      --dtype bfloat16 --batch-size $sizes --input-len 128 --output-len 32 --runs 2 \
+      --dtype bfloat16 --batch-size $sizes --input-len "$input_len" --output-len 32 --runs 2 \
       --cuda-graph-backend-prefill disabled --compile-cache-dir "$cache" \
       --profile "$work/profile-$shape" --result-file "$file" "$@"
   }
@@ -120,6 +125,19 @@ runner() {  # the decode paths of srt and the alternatives on one shape
     # shellcheck disable=SC2086
     one "$config" ${flags[$config]}
   done
+  # The same configs from the tree in .baseline (srt/ of an earlier commit), into their own
+  # file: the change's before and after in one call.
+  if [ -d .baseline/srt ]; then
+    for config in ${RUNNER_BASELINE:-}; do
+      # shellcheck disable=SC2086
+      step "one_batch-$shape-$config-baseline" env -C .baseline \
+        PYTHONPATH="/tmp/site:$(realpath .baseline)" python3 -m srt.bench.one_batch \
+        --model-shape "$shape" --dtype bfloat16 --batch-size $sizes --input-len "$input_len" \
+        --output-len 32 --runs 2 --cuda-graph-backend-prefill disabled \
+        --compile-cache-dir "$cache-baseline" --profile "$work/profile-$shape-baseline" \
+        --result-file "$(realpath "$out")/runner-$shape-baseline.jsonl" ${flags[$config]}
+    done
+  fi
   # transformers' compiled forward is measured at batch 1 only: each size is another compile.
   for method in $methods; do
     if [ "$method" = hf-compile-reduce-overhead ]; then

@@ -290,6 +290,7 @@ def decode_in_torch(
     seq_lens: torch.Tensor,
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
+    arrivals: torch.Tensor,
     scaling: float,
 ) -> None:
     """`decode_attention`'s contract in plain PyTorch, to check the backend around it where
@@ -298,6 +299,46 @@ def decode_in_torch(
     for i, (row, n) in enumerate(zip(req_rows.tolist(), seq_lens.tolist(), strict=True)):
         slots = req_to_token[row, :n]
         o[i] = attend(q[i : i + 1], k_cache[slots], v_cache[slots], n - 1, scaling)[0] if n else 0
+
+
+def check_decode_kernel(
+    lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+) -> None:
+    """`decode_attention` itself against `decode_in_torch` on a shuffled cache, its output
+    poisoned first: requests of one chunk and of many (merged by the chunk that arrives last),
+    and a padded one (length 0); called twice, since the arrival counters it leaves must be
+    zeros again for the next layer."""
+    from srt.layers.attention.triton_ops.decode_attention import decode_attention, num_decode_splits
+
+    batch, longest = len(lens), max(lens)
+    slots = batch * longest + 1
+    k_cache = torch.randn(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+    table = (1 + torch.randperm(slots - 1)).view(batch, longest).to(torch.int32).to(device)
+    rows = torch.arange(batch, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
+    splits = num_decode_splits(batch, num_kv_heads)
+    part_out = torch.empty(batch, num_heads, splits, head_dim, device=device)
+    part_lse = torch.empty(batch, num_heads, splits, device=device)
+    arrivals = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=device)
+    expected = torch.empty_like(q)
+    decode_in_torch(
+        q, k_cache, v_cache, expected, table, rows, seq_lens, part_out, part_lse, arrivals, 0.125
+    )
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(
+            q, k_cache, v_cache, out, table, rows, seq_lens, part_out, part_lse, arrivals, 0.125
+        )
+        tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+        torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+        assert not arrivals.any(), arrivals
 
 
 # ---- GPU ----
@@ -316,6 +357,22 @@ def test_triton_matches_torch_native(
     specs = EXTEND_SPECS if mode == ForwardMode.EXTEND else DECODE_SPECS
     check_eager("triton", mode, specs, *heads, head_dim, dtype, "cuda", pad=3)
     check_eager("triton", mode, specs[:1], *heads, head_dim, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"q{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch", [1, 8, 40])
+def test_triton_decode_kernel_merges_its_chunks(
+    dtype: torch.dtype, heads: tuple[int, int], head_dim: int, batch: int
+) -> None:
+    """Requests of one chunk and of many (4,100 keys in 13 at batch 1), at batch sizes whose
+    buckets split short (1, 8) and long (40 requests x 8 KV heads: splits of 256 keys or
+    more, 4 per request at most)."""
+    torch.manual_seed(batch)
+    lens = ([4100, 0, 1, 63, 300, 2000, 257, 1024] * batch)[:batch]
+    check_decode_kernel(lens, *heads, head_dim, dtype, "cuda")
 
 
 @pytest.mark.gpu
@@ -593,6 +650,7 @@ def run_interpreter_checks() -> None:
     torch.manual_seed(0)
     check_eager("triton", ForwardMode.EXTEND, [(0, 1), (0, 70), (60, 9)], pad=2, **SMALL)
     check_eager("triton", ForwardMode.DECODE, [(0, 1), (130, 1), (1100, 1)], pad=1, **SMALL)
+    check_decode_kernel([1100, 0, 130, 1], **SMALL)
     check_static_replay(
         "triton", ForwardMode.EXTEND, [[(0, 16)], [(3, 2), (65, 5)]], 16, max_bs=4, **SMALL
     )

@@ -214,7 +214,7 @@ def test_triton_hooks_time_each_compile_and_chain() -> None:
     misses: list[tuple[str, float]] = []
     install_triton_hooks(runtime, lambda what, ms: misses.append((what, ms)))
     hook_args = {"key": "k", "fn": None, "compile": {}, "is_manual_warmup": False}
-    name = "_decode_split_kernel[num_warps=4](Q: *bf16)"
+    name = "_decode_kernel[num_warps=4](Q: *bf16)"
     assert not runtime.jit_cache_hook(repr=name, already_compiled=False, **hook_args)
     runtime.jit_post_compile_hook(repr=name, already_compiled=False, **hook_args)
     assert seen == ["start", "end"]

@@ -30,11 +30,7 @@ def fresh_kernels() -> None:
     pytest.importorskip("triton")
     from srt.layers.attention.triton_ops import decode_attention, extend_attention
 
-    for kernel in (
-        decode_attention._decode_split_kernel,
-        decode_attention._decode_merge_kernel,
-        extend_attention._extend_kernel,
-    ):
+    for kernel in (decode_attention._decode_kernel, extend_attention._extend_kernel):
         kernel.device_caches.clear()
 
 
@@ -95,7 +91,7 @@ def test_without_warmup_the_first_request_compiles_and_it_is_logged(
     misses = first_request_misses(bf16_llama, tmp_path, skip_warmup=True)
     triton = [m["what"].removeprefix("triton ") for m in misses if m["what"].startswith("triton")]
     compiled = {what.split("[")[0] for what in triton}
-    assert {"_extend_kernel", "_decode_split_kernel", "_decode_merge_kernel"} <= compiled
+    assert {"_extend_kernel", "_decode_kernel"} <= compiled
     assert all(m["ms"] > 0 and m["during"] for m in misses)
 
 

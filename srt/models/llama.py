@@ -70,7 +70,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
             k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -459,9 +459,11 @@ class FlashInferBackend(AttentionBackend):
         n = step.rows
         wrapper = step.wrapper.wrapper
         if step.kind is StepKind.RAGGED:
+            # The model hands over v as a column slice of its QKV product; the ragged
+            # kernel reads dense rows (a copy once per prefill layer, not per decode step).
             t = x.k.shape[0]
-            k = x.k.view(t, self.num_kv_heads, self.head_dim)
-            v = x.v.view(t, self.num_kv_heads, self.head_dim)
+            k = x.k.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+            v = x.v.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
             wrapper.run(q[:n], k[:n], v[:n], out=o[:n])
         else:
             # Page size 1, NHD: [slots, 1, kv_heads, head_dim].

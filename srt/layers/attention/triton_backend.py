@@ -77,6 +77,7 @@ class StepMetadata:
     tiles: torch.Tensor  # [2, N] int32, rows `aligned(N)` apart
     part_out: torch.Tensor  # [T, Hq, S, D] float32 (decode)
     part_lse: torch.Tensor  # [T, Hq, S] float32 (decode)
+    arrivals: torch.Tensor  # [>= T * Hkv] int32 zeros the decode kernel counts on (decode)
     static_fill: int | None = None  # which fill of the static buffers it views (None: eager)
 
 
@@ -114,6 +115,10 @@ class TritonBackend(AttentionBackend):
         self.max_bs = 0
         self.static_ints: torch.Tensor | None = None
         self.static_scratch: torch.Tensor | None = None
+        self.static_arrivals: torch.Tensor | None = None
+        # Eager decode steps' arrival counters: zeros, as every launch leaves them, so one
+        # buffer serves every step (grown for a larger batch).
+        self.arrivals = torch.zeros(0, dtype=torch.int32)
         self.static_fills = 0  # replay hooks run; only the latest one's views are current
 
     # ---- layouts ----
@@ -144,6 +149,7 @@ class TritonBackend(AttentionBackend):
         ints: torch.Tensor,
         out_cache_loc: torch.Tensor,
         scratch: torch.Tensor,
+        arrivals: torch.Tensor,
         static_fill: int | None = None,
     ) -> StepMetadata:
         r, n = layout.num_reqs, layout.num_tiles
@@ -157,6 +163,7 @@ class TritonBackend(AttentionBackend):
             tiles=ints[tiles_at : tiles_at + 2 * tile_row].view(2, tile_row)[:, :n],
             part_out=scratch[: t * h * s * d].view(t, h, s, d),
             part_lse=scratch[t * h * s * d : t * h * s * (d + 1)].view(t, h, s),
+            arrivals=arrivals,
             static_fill=static_fill,
         )
 
@@ -173,7 +180,10 @@ class TritonBackend(AttentionBackend):
             dtype=torch.float32,
             device=device,
         )
-        batch.attn_metadata = self._views(layout, ints, batch.out_cache_loc, scratch)
+        need = layout.num_tokens * self.num_kv_heads
+        if self.arrivals.numel() < need or self.arrivals.device != device:
+            self.arrivals = torch.zeros(need, dtype=torch.int32, device=device)
+        batch.attn_metadata = self._views(layout, ints, batch.out_cache_loc, scratch, self.arrivals)
 
     # ---- CUDA graphs ----
 
@@ -191,11 +201,14 @@ class TritonBackend(AttentionBackend):
             dtype=torch.float32,
             device=device,
         )
+        self.static_arrivals = torch.zeros(
+            max_bs * self.num_kv_heads, dtype=torch.int32, device=device
+        )
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, bucket: int) -> None:
         """Lay the live batch out in the static buffers, in the bucket's fixed layout. The
         batch's token tensors (out_cache_loc) are the runner's static buffers already."""
-        if self.static_ints is None or self.static_scratch is None:
+        if self.static_ints is None or self.static_scratch is None or self.static_arrivals is None:
             raise RuntimeError("init_graph_state must run before graph capture")
         layout = self._graph_layout(batch.mode, bucket)
         if (
@@ -208,7 +221,12 @@ class TritonBackend(AttentionBackend):
         self.static_ints[: plan.numel()].copy_(plan, non_blocking=True)
         self.static_fills += 1
         batch.attn_metadata = self._views(
-            layout, self.static_ints, batch.out_cache_loc, self.static_scratch, self.static_fills
+            layout,
+            self.static_ints,
+            batch.out_cache_loc,
+            self.static_scratch,
+            self.static_arrivals,
+            self.static_fills,
         )
 
     # ---- the layer op ----
@@ -241,6 +259,7 @@ class TritonBackend(AttentionBackend):
                 seq_lens,
                 step.part_out,
                 step.part_lse,
+                step.arrivals,
                 x.scaling,
             )
         else:

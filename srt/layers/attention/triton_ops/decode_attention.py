@@ -1,15 +1,19 @@
-"""Paged decode attention (one query token per request) with split-K (flash decoding).
+"""Paged decode attention (one query token per request) with split-K (flash decoding), in
+one launch.
 
-Stage 1 splits each request's KV into `num_splits` chunks and computes, per chunk, the
-normalised partial output and its log-sum-exp for every query head of one KV head group
-(GQA heads share each K/V load). Stage 2 merges the chunks. The grid depends only on the
-batch size and `num_splits`, never on sequence lengths, so a CUDA graph captured for a batch
-size replays for any lengths. A request with `seq_len == 0` (a padded one) outputs zeros.
+Each program attends one KV chunk of one request for every query head of one KV head group
+(GQA heads share each K/V load). A request uses as many of the bucket's splits as its length
+fills (of at least `min_split_tokens` keys each); the others exit at once. A request that fits
+one split (most of them at short contexts) is written straight into the output. Otherwise each
+chunk stores its normalised partial output and log-sum-exp, and the chunk that arrives last
+(a counter per request and KV head, which it sets back to zero) merges them: no second
+launch, whose programs would mostly find nothing to merge. The grid depends only on the
+batch size and the bucket's split count, never on sequence lengths, so a CUDA graph captured
+for a batch size replays for any lengths. A request with `seq_len == 0` (a padded one)
+outputs zeros.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import triton
@@ -19,43 +23,52 @@ from srt.layers.attention.triton_ops import LOG2E, head_constexprs
 from srt.layers.attention.triton_ops.kv_block import attend_kv
 
 BLOCK_N = 64  # keys per inner step; every split is a multiple of it
-MAX_SPLITS = 16  # a power of two: stage 2 loads all chunks as one block
-TARGET_PROGRAMS = 256  # stage-1 programs to aim for (about two per SM of an H100/H200)
+MAX_SPLITS = 16  # a power of two: the merge loads all of a head's chunks as one block
+MAX_CHUNKS = tl.constexpr(MAX_SPLITS)  # a kernel may read a module global only as a constexpr
+# The constants below are what `scripts/sweep_decode_attention.py` measures on the GPU (see
+# docs/benchmarks.md), over batches 1-128 and contexts 160-4,096 of the 1B and 8B heads.
+# Stage-1 programs a bucket's grid aims for: with more, a long context at batch 8-64 streams
+# its keys from many SMs at once instead of walking them in one program per KV head.
+TARGET_PROGRAMS = 512
+# Keys per split at least, once a bucket has SPLIT_FULL_GPU requests x KV heads: there, a
+# split's fixed cost (its loads of the request's length, table row and queries, its partial
+# output's round trip and the merge) outweighs a short split's keys; below it, splits as short
+# as a block fill an idle GPU.
+MIN_SPLIT_TOKENS = 256
+SPLIT_FULL_GPU = 256
+NUM_WARPS = 2
+NUM_STAGES = 3
+# Decode's few query rows leave each block latency-bound: the value load beside the key load.
+LOAD_V_WITH_K = True
 
 
 @triton.jit
-def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    # Both stages must agree on where the chunks lie.
-    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-
-
-@triton.jit
-def _chunk_out_ptrs(part_out, req, heads, splits, offs_d):
-    # The [B, Hq, S, D] scratch both stages agree on, as (pointer, its first three strides).
-    PART_OUT, stride_req, stride_head, stride_split = part_out
-    return (
-        PART_OUT + req * stride_req + heads * stride_head + splits * stride_split + offs_d[None, :]
-    )
+def _split_len(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
 
 
 # Triton specialises integer arguments on divisibility by 16; these vary with the split count
 # (`num_decode_splits`, which falls as the batch grows), so specialising on them would compile
 # a new variant for batch sizes the warm-up before ready did not run.
-SPLIT_DEPENDENT = ["stride_pl_req", "stride_pl_head", "num_splits"]
+SPLIT_DEPENDENT = ["stride_pl_req", "stride_pl_head", "num_splits", "min_split"]
 
 
 @triton.jit(do_not_specialize=SPLIT_DEPENDENT)
-def _decode_split_kernel(
+def _decode_kernel(
     Q,
     K,
     V,
     req_to_token,
     req_pool_indices,
     seq_lens,
+    Out,
     part_out,
     part_lse,
+    arrivals,
     stride_q_tok,
     stride_q_head,
+    stride_o_tok,
+    stride_o_head,
     stride_k_slot,
     stride_k_head,
     stride_v_slot,
@@ -68,19 +81,23 @@ def _decode_split_kernel(
     stride_pl_head,
     scale_log2,
     num_splits,
+    min_split,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LOAD_V_WITH_K: tl.constexpr,
 ):
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + req)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
+    split_len = _split_len(seq_len, num_splits, min_split, BLOCK_N)
+    num_chunks = tl.cdiv(seq_len, split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    if start < end:
+    # Split 0 of a request with no keys runs too: it writes the request's zeros.
+    if (start < end) | (split == 0):
         offs_h = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + offs_h
         mask_h = offs_h < GROUP
@@ -95,63 +112,104 @@ def _decode_split_kernel(
         # every block starts below `end`, so each row sees a finite score in every block.
         query_pos = tl.full([BLOCK_H], 0, dtype=tl.int32) + (seq_len - 1)
         m_i, l_i, acc = attend_kv(
-            q, query_pos, kv, start, end, offs_d, mask_d, scale_log2, BLOCK_N, DOT_PRECISION
+            q,
+            query_pos,
+            kv,
+            start,
+            end,
+            offs_d,
+            mask_d,
+            scale_log2,
+            BLOCK_N,
+            DOT_PRECISION,
+            LOAD_V_WITH_K,
         )
-        chunk_out = (part_out, stride_po_req, stride_po_head, stride_po_split)
-        out_ptrs = _chunk_out_ptrs(chunk_out, req, heads[:, None], split, offs_d)
-        tl.store(out_ptrs, acc / l_i[:, None], mask=mask)
-        lse_ptrs = part_lse + req * stride_pl_req + heads * stride_pl_head + split
-        tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=mask_h)
+        o_ptrs = Out + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
+        if num_chunks <= 1:
+            # The whole request in this one split (or none of it: l_i = 0, acc = 0, zeros).
+            tl.store(o_ptrs, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], mask=mask)
+        else:
+            po_ptrs = (
+                part_out + req * stride_po_req + heads[:, None] * stride_po_head + offs_d[None, :]
+            )
+            pl_ptrs = part_lse + req * stride_pl_req + heads * stride_pl_head
+            tl.store(po_ptrs + split * stride_po_split, acc / l_i[:, None], mask=mask)
+            tl.store(pl_ptrs + split, m_i + tl.log2(l_i), mask=mask_h)
+            # The barrier puts every thread's stores before the arrival (one thread's atomic);
+            # acq_rel makes them visible to the last chunk to arrive, and its loads see all.
+            tl.debug_barrier()
+            counter = arrivals + req * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == num_chunks - 1:
+                _merge_chunks(
+                    part_out + req * stride_po_req,
+                    part_lse + req * stride_pl_req,
+                    Out + req * stride_o_tok,
+                    kv_head * GROUP,
+                    num_chunks,
+                    stride_po_head,
+                    stride_po_split,
+                    stride_pl_head,
+                    stride_o_head,
+                    GROUP,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    MAX_CHUNKS,
+                )
+                tl.store(counter, 0)  # ready for the next layer's launch
 
 
-@triton.jit(do_not_specialize=SPLIT_DEPENDENT)
-def _decode_merge_kernel(
+@triton.jit
+def _merge_chunks(
     part_out,
     part_lse,
-    seq_lens,
     Out,
-    stride_po_req,
+    first_head,
+    num_chunks,
     stride_po_head,
     stride_po_split,
-    stride_pl_req,
     stride_pl_head,
-    stride_o_tok,
     stride_o_head,
-    num_splits,
+    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-
-    seq_len = tl.load(seq_lens + req)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
+    """Out's GROUP heads from `first_head` on = one request's chunks, each weighted by its
+    share of the softmax (base 2); the pointers are the request's rows. Every chunk of a head
+    is loaded at once, and the heads are unrolled: the loads do not wait on one another."""
     offs_s = tl.arange(0, BLOCK_S)
-    # Chunks past the end of the sequence were never written.
-    valid = (offs_s < num_splits) & (offs_s * split_len < seq_len)
+    valid = offs_s < num_chunks
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-
-    lse = tl.load(
-        part_lse + req * stride_pl_req + head * stride_pl_head + offs_s, mask=valid, other=-1e30
-    )
-    weights = tl.where(valid, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    chunk_out = (part_out, stride_po_req, stride_po_head, stride_po_split)
-    out_ptrs = _chunk_out_ptrs(chunk_out, req, head, offs_s[:, None], offs_d)
-    partial = tl.load(out_ptrs, mask=valid[:, None] & mask_d[None, :], other=0.0)
-    total = tl.sum(weights, 0)
-    o = tl.sum(weights[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(Out + req * stride_o_tok + head * stride_o_head + offs_d, o, mask=mask_d)
+    for h in tl.static_range(GROUP):
+        head = first_head + h
+        # .cg: from L2, where the other programs' stores are (not a stale L1 line).
+        lse = tl.load(
+            part_lse + head * stride_pl_head + offs_s, mask=valid, other=0.0, cache_modifier=".cg"
+        )
+        partial = tl.load(
+            part_out + head * stride_po_head + offs_s[:, None] * stride_po_split + offs_d[None, :],
+            mask=valid[:, None] & mask_d[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        weights = tl.where(valid, tl.exp2(lse - tl.max(tl.where(valid, lse, -1e30), 0)), 0.0)
+        o = tl.sum(weights[:, None] * partial, 0) / tl.sum(weights, 0)
+        tl.store(Out + head * stride_o_head + offs_d, o, mask=mask_d)
 
 
 def num_decode_splits(batch_size: int, num_kv_heads: int) -> int:
-    """KV chunks per request: enough programs to fill the GPU at small batch sizes.
+    """The most KV chunks a request of this batch may use: enough programs to fill the GPU
+    when the contexts are long (short ones use fewer, see `min_split_tokens`).
 
     Depends only on the batch size, so it is fixed for each captured decode bucket.
     """
     return max(1, min(MAX_SPLITS, triton.cdiv(TARGET_PROGRAMS, batch_size * num_kv_heads)))
+
+
+def min_split_tokens(batch_size: int, num_kv_heads: int) -> int:
+    """The fewest keys a split of this batch holds (fixed per bucket, as the split count)."""
+    return MIN_SPLIT_TOKENS if batch_size * num_kv_heads >= SPLIT_FULL_GPU else BLOCK_N
 
 
 def decode_attention(
@@ -164,23 +222,31 @@ def decode_attention(
     seq_lens: torch.Tensor,
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
+    arrivals: torch.Tensor,
     scaling: float,
 ) -> None:
     """q, out: [B, Hq, D] (last dim contiguous); k_cache, v_cache: [slots, Hkv, D];
     req_pool_indices, seq_lens: [B] (seq_len 0 gives a zero output row);
-    part_out: [B, Hq, S, D] float32 and part_lse: [B, Hq, S] float32 scratch, S = splits."""
+    part_out: [B, Hq, S, D] float32 and part_lse: [B, Hq, S] float32 scratch, S = splits;
+    arrivals: [B * Hkv] int32, zeros (the kernel leaves them zero)."""
+    batch, num_kv_heads = q.shape[0], k_cache.shape[1]
     num_splits = part_out.shape[2]
+    if arrivals.numel() < batch * num_kv_heads or arrivals.dtype != torch.int32:
+        raise ValueError(f"arrivals needs {batch * num_kv_heads} int32s, got {arrivals.shape}")
     heads = head_constexprs(q, k_cache)
-    _decode_split_kernel[(q.shape[0], k_cache.shape[1], num_splits)](
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
         req_to_token,
         req_pool_indices,
         seq_lens,
+        out,
         part_out,
         part_lse,
+        arrivals,
         *q.stride()[:2],
+        *out.stride()[:2],
         *k_cache.stride()[:2],
         *v_cache.stride()[:2],
         req_to_token.stride(0),
@@ -188,35 +254,11 @@ def decode_attention(
         *part_lse.stride()[:2],
         scaling * LOG2E,
         num_splits,
+        min_split_tokens(batch, num_kv_heads),
         **heads,
         BLOCK_H=max(16, triton.next_power_of_2(heads["GROUP"])),  # tl.dot needs >= 16 rows
         BLOCK_N=BLOCK_N,
-        num_warps=4,
-        num_stages=2,
-    )
-    _merge_chunks(part_out, part_lse, seq_lens, out, heads)
-
-
-def _merge_chunks(
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
-    seq_lens: torch.Tensor,
-    out: torch.Tensor,
-    heads: dict[str, Any],
-) -> None:
-    """Stage 2: out [B, Hq, D] from stage 1's chunks (`heads`: stage 1's head constexprs)."""
-    _decode_merge_kernel[(out.shape[0], out.shape[1])](
-        part_out,
-        part_lse,
-        seq_lens,
-        out,
-        *part_out.stride()[:3],
-        *part_lse.stride()[:2],
-        *out.stride()[:2],
-        part_out.shape[2],
-        HEAD_DIM=heads["HEAD_DIM"],
-        BLOCK_D=heads["BLOCK_D"],
-        BLOCK_S=MAX_SPLITS,
-        BLOCK_N=BLOCK_N,
-        num_warps=4,
+        LOAD_V_WITH_K=LOAD_V_WITH_K,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
