@@ -428,15 +428,15 @@ def test_a_failing_client_process_fails_the_run() -> None:
 @pytest.mark.parametrize(
     ("requested", "max_concurrency", "num_requests", "cpus", "expected"),
     [
-        (None, 16, 100, 16, 1),  # up to 16 streams: this process
-        (None, 17, 100, 16, 2),
-        (None, 64, 1000, 16, 4),
-        (None, 128, 1000, 16, 8),
-        (None, 256, 1000, 16, 8),  # at most half the CPUs
+        (None, 8, 100, 16, 1),  # up to 8 streams: this process
+        (None, 9, 100, 16, 2),
+        (None, 32, 1000, 16, 4),
+        (None, 64, 1000, 16, 8),
+        (None, 128, 1000, 16, 8),  # at most half the CPUs
         (None, 64, 1000, 2, 1),
         (None, 64, 1000, None, 1),  # CPU count unknown
-        (None, None, 100, 16, 7),  # no cap: all 100 may be in flight
-        (None, 64, 10, 16, 1),  # only 10 requests
+        (None, None, 40, 16, 5),  # no cap: all 40 may be in flight
+        (None, 64, 5, 16, 1),  # only 5 requests
         (4, 64, 100, 2, 4),  # asked for: the CPUs do not cap it
         (4, 3, 100, 16, 3),  # but the requests in flight do
     ],

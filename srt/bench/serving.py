@@ -105,9 +105,9 @@ the columns are empty and a line above the table says why.
 load measures the client rather than the server. So a run's requests are split across
 `--client-processes` spawned client processes (request i goes to process i mod N; each gets an
 even share of the concurrency cap, or of the request rate with a seed of its own) and their
-records merged back in order. The default, `auto`, takes one process per 16 requests that can
+records merged back in order. The default, `auto`, takes one process per 8 requests that can
 be in flight (the cap, or every request of a run without one), at most half the CPUs (the
-server needs the rest), so runs of up to 16 streams stay in this process. Each run records the
+server needs the rest), so runs of up to 8 streams stay in this process. Each run records the
 processes it used (`client_processes`).
 """
 
@@ -366,8 +366,10 @@ async def run_load(
 # ---- a run's load, from one or several client processes ------------------------------------
 
 # Streams one client process is given before `auto` adds another: one asyncio process was on
-# a CPU 89-97% of a run at 64 and 128 streams, and kept only 5-11 of them in flight.
-STREAMS_PER_CLIENT_PROCESS = 16
+# a CPU 89-97% of a run at 64 and 128 streams, and kept only 5-11 of them in flight; at 16
+# streams of one token an event (two tokenizer workers at concurrency 32, r14d) each of two
+# processes was on a CPU 0.98 of the run, the client's limit rather than the server's.
+STREAMS_PER_CLIENT_PROCESS = 8
 
 
 def most_in_flight(max_concurrency: int | None, num_requests: int) -> int:
@@ -378,7 +380,7 @@ def most_in_flight(max_concurrency: int | None, num_requests: int) -> int:
 def client_processes_for_run(
     requested: int | None, max_concurrency: int | None, num_requests: int, cpu_count: int | None
 ) -> int:
-    """The client processes a run uses: `requested` (None: `auto`, one per 16 requests that
+    """The client processes a run uses: `requested` (None: `auto`, one per 8 requests that
     can be in flight, at most half of `cpu_count` as the server on the same host needs the
     rest), never more than the requests that can be in flight, each process driving one at
     least. Without a cap every request may be in flight: all of them at once, or at a rate
