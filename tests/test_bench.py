@@ -518,6 +518,31 @@ STEADY_RECORDS = [
 ]
 
 
+def test_requests_by_worker_asks_until_each_worker_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new connection reaches whichever worker the kernel picks: the bench asks again until
+    every worker's own requests are in, and not at all with one worker."""
+    answers = iter([0, 0, 2, 0, 1, 2])
+    calls = []
+
+    def fake_info(base_url: str, headers: object, since: float) -> dict:
+        calls.append(since)
+        worker = next(answers)
+        return {"tokenizer": {"worker": worker, "requests": {"window_steps": worker}}}
+
+    monkeypatch.setattr(serving, "server_info", fake_info)
+    workers = {"tokenizer": 1.0, "tokenizer1": 1.0, "tokenizer2": 1.0}
+    first = {"tokenizer": {"worker": 1, "requests": {"window_steps": 1}, "workers_cpu_s": workers}}
+    by_worker = serving.requests_by_worker("http://x", None, 5.0, first)
+    assert by_worker == {str(w): {"window_steps": w} for w in range(3)}
+    assert calls == [5.0, 5.0, 5.0]  # workers 0, 0 again, then 2: all three seen
+    calls.clear()
+    alone = {"tokenizer": {"worker": 0, "requests": None, "workers_cpu_s": {"tokenizer": 1.0}}}
+    assert serving.requests_by_worker("http://x", None, 5.0, alone) == {"0": None}
+    assert calls == []
+
+
 def test_steady_window_leaves_out_the_ramp_up_and_the_tail() -> None:
     assert serving.steady_window(STEADY_RECORDS, 2) == (101.0, 112.0)
     assert serving.steady_window(STEADY_RECORDS, None) == (101.0, 112.0)  # the peak: 2
@@ -555,6 +580,15 @@ def test_shares_over_the_load_window() -> None:
     assert figures["captures_in_window"] == 2
     assert figures["captured_in_window"] == ["decode bucket 8", "decode bucket 16"]
     assert figures["jit_misses_in_window"] == 0 and figures["cached_tokens_in_window"] == 0
+    # With several tokenizer workers, the requests of the one that served the most.
+    after["tokenizer"]["requests_by_worker"] = {
+        "0": {"window_steps": 2},
+        "1": {"window_steps": 9},
+        "2": None,
+    }
+    timeline = serving.window_figures(before, after)["timeline"]
+    assert timeline["tokenizer_requests"] == {"window_steps": 9}
+    assert set(timeline["tokenizer_requests_by_worker"]) == {"0", "1", "2"}
     del before["runner"]["graph_pool"]  # a server that does not report it: no figure
     assert serving.window_figures(before, after)["captures_in_window"] is None
     assert serving.window_figures(before, after)["captured_in_window"] is None

@@ -62,10 +62,11 @@ both ends. Over that window:
 - `timeline`: each process's step timeline over the steps begun in the window (of a window of
   more steps than a timeline keeps, 1024, the last); `decode bs` is the scheduler's mean decode
   batch (`kinds.decode.requests_mean`), `extend steps` and `extend time %` its prefill steps
-  and their share of the step time; `tokenizer_requests` the answering tokenizer worker's
+  and their share of the step time; `tokenizer_requests_by_worker` each tokenizer worker's
   requests begun in the window, as a timeline of their marks (arrived, sent to the
-  scheduler, first token back, finished), whose `sent_to_first_token` median is the `TTFT in
-  server` column: the time to first token less the HTTP stack's and the client's;
+  scheduler, first token back, finished), and `tokenizer_requests` the one of the worker that
+  served the most, whose `sent_to_first_token` median is the `TTFT in server` column: the
+  time to first token less the HTTP stack's and the client's;
 - `captures_in_window`, `jit_misses_in_window`: the CUDA graphs the runner captured and its JIT
   compiles after ready (`runner.graph_pool.captures`, `runner.jit_misses.count`): a figure paid
   for one of them is not the steady state's. `cached_tokens_in_window`: prompt tokens the prefix
@@ -737,6 +738,29 @@ def server_info(
     return info
 
 
+# Answers asked for per worker before `requests_by_worker` gives up on one: the kernel hashes
+# each new connection to a worker, so a worker is missed k times in a row with odds 2^-k
+# (two workers).
+REQUESTS_TRIES_PER_WORKER = 8
+
+
+def requests_by_worker(
+    base_url: str, headers: dict[str, str] | None, since: float, info: dict[str, Any]
+) -> dict[str, Any]:
+    """Each tokenizer worker's own requests begun since `since` (`tokenizer.requests` of an
+    answer from it), by worker: `info` came from whichever worker the kernel gave the
+    connection, so the others are asked again, a new connection each time (a few tries per
+    worker), until each has answered."""
+    workers = max(1, len(info["tokenizer"].get("workers_cpu_s") or {}))
+    seen = {info["tokenizer"].get("worker", 0): info["tokenizer"].get("requests")}
+    for _ in range(REQUESTS_TRIES_PER_WORKER * workers):
+        if len(seen) >= workers:
+            break
+        other = server_info(base_url, headers, since)["tokenizer"]
+        seen.setdefault(other.get("worker", 0), other.get("requests"))
+    return {str(worker): requests for worker, requests in sorted(seen.items())}
+
+
 PROCESSES = ("scheduler", "runner", "tokenizer")
 # Counters of the server's info: graphs the runner captured, its JIT compiles after ready, the
 # prompt tokens the prefix cache served.
@@ -808,12 +832,18 @@ def window_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
         cpu_busy["tokenizer"] = round(workers["tokenizer"], 3)
         cpu_busy["tokenizer_workers_max"] = round(max(workers.values()), 3)
         cpu_busy["tokenizer_workers_total"] = round(sum(workers.values()), 3)
+    # The requests begun in the window as each tokenizer worker saw them (srt.timeline); the
+    # figures read the worker that served the most (at concurrency 1: all of them).
+    by_worker = after["tokenizer"].get("requests_by_worker") or {
+        str(after["tokenizer"].get("worker", 0)): after["tokenizer"].get("requests")
+    }
+    busiest = max(by_worker.values(), key=lambda r: (r or {}).get("window_steps", 0))
     return {
         "server_window_s": round(wall, 3),
         "timeline": {
             **{proc: after[proc].get("timeline") for proc in PROCESSES},
-            # The answering tokenizer worker's requests, begun in the window (srt.timeline).
-            "tokenizer_requests": after["tokenizer"].get("requests"),
+            "tokenizer_requests": busiest,
+            "tokenizer_requests_by_worker": by_worker,
         },
         "cpu_busy": cpu_busy,
         "captures_in_window": growth(before, after, *CAPTURES),
@@ -1148,6 +1178,10 @@ def timed_run(
         info = server_info(base_url, headers, since)
         if since is None and profile is not None:  # the window opens
             profile.start()
+        if since is not None:  # the window closes: every worker's requests
+            info["tokenizer"]["requests_by_worker"] = requests_by_worker(
+                base_url, headers, since, info
+            )
         return info
 
     window = LoadWindow(sample)
