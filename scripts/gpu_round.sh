@@ -101,13 +101,15 @@ runner() {  # the decode paths of srt and the alternatives on one shape
   local configs=${RUNNER_CONFIGS:-disabled full full-compile full-inductor breakable tc-eager tc-inductor prefill-full}
   local methods=${HF_METHODS-hf-eager hf-generate-static cublas-chain hf-compile-reduce-overhead}
   rm -f "$file"
-  one() {
-    local name=$1; shift
+  one() {  # one TREE NAME FLAGS...: one_batch of TREE's srt/ (., or .baseline: its own file)
+    local tree=$1 name=$2 tag="" result=$file; shift 2
+    [ "$tree" = .baseline ] && tag=-baseline result="$out/runner-$shape-baseline.jsonl"
     # shellcheck disable=SC2086
-    step "one_batch-$shape-$name" python3 -m srt.bench.one_batch --model-shape "$shape" \
+    step "one_batch-$shape-$name$tag" env -C "$tree" PYTHONPATH="/tmp/site:$(realpath "$tree")" \
+      python3 -m srt.bench.one_batch --model-shape "$shape" \
       --dtype bfloat16 --batch-size $sizes --input-len "$input_len" --output-len 32 --runs 2 \
-      --cuda-graph-backend-prefill disabled --compile-cache-dir "$cache" \
-      --profile "$work/profile-$shape" --result-file "$file" "$@"
+      --cuda-graph-backend-prefill disabled --compile-cache-dir "$cache$tag" \
+      --profile "$work/profile-$shape$tag" --result-file "$(realpath "$result")" "$@"
   }
   declare -A flags=(
     [disabled]="--cuda-graph-backend-decode disabled"
@@ -123,19 +125,14 @@ runner() {  # the decode paths of srt and the alternatives on one shape
   local config method
   for config in $configs; do
     # shellcheck disable=SC2086
-    one "$config" ${flags[$config]}
+    one . "$config" ${flags[$config]}
   done
-  # The same configs from the tree in .baseline (srt/ of an earlier commit), into their own
-  # file: the change's before and after in one call.
+  # The same configs from the tree in .baseline (srt/ of an earlier commit): the change's
+  # before and after in one call.
   if [ -d .baseline/srt ]; then
     for config in ${RUNNER_BASELINE:-}; do
       # shellcheck disable=SC2086
-      step "one_batch-$shape-$config-baseline" env -C .baseline \
-        PYTHONPATH="/tmp/site:$(realpath .baseline)" python3 -m srt.bench.one_batch \
-        --model-shape "$shape" --dtype bfloat16 --batch-size $sizes --input-len "$input_len" \
-        --output-len 32 --runs 2 --cuda-graph-backend-prefill disabled \
-        --compile-cache-dir "$cache-baseline" --profile "$work/profile-$shape-baseline" \
-        --result-file "$(realpath "$out")/runner-$shape-baseline.jsonl" ${flags[$config]}
+      one .baseline "$config" ${flags[$config]}
     done
   fi
   # transformers' compiled forward is measured at batch 1 only: each size is another compile.

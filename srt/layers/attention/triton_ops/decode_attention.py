@@ -27,7 +27,7 @@ MAX_SPLITS = 16  # a power of two: the merge loads all of a head's chunks as one
 MAX_CHUNKS = tl.constexpr(MAX_SPLITS)  # a kernel may read a module global only as a constexpr
 # The constants below are what `scripts/sweep_decode_attention.py` measures on the GPU (see
 # docs/benchmarks.md), over batches 1-128 and contexts 160-4,096 of the 1B and 8B heads.
-# Stage-1 programs a bucket's grid aims for: with more, a long context at batch 8-64 streams
+# Programs a bucket's grid aims for: with more, a long context at batch 8-64 streams
 # its keys from many SMs at once instead of walking them in one program per KV head.
 TARGET_PROGRAMS = 512
 # Keys per split at least, once a bucket has SPLIT_FULL_GPU requests x KV heads: there, a
