@@ -23,7 +23,7 @@ from srt.layers.attention.triton_ops import LOG2E, head_constexprs
 from srt.layers.attention.triton_ops.kv_block import attend_kv
 
 BLOCK_N = 64  # keys per inner step; every split is a multiple of it
-MAX_SPLITS = 16  # a power of two: the merge loads all of a head's chunks as one block
+MAX_SPLITS = 16  # the merge is unrolled over this many chunks
 MAX_CHUNKS = tl.constexpr(MAX_SPLITS)  # a kernel may read a module global only as a constexpr
 # The constants below are what `scripts/sweep_decode_attention.py` measures on the GPU (see
 # docs/benchmarks.md), over batches 1-128 and contexts 160-4,096 of the 1B and 8B heads.
@@ -37,7 +37,7 @@ TARGET_PROGRAMS = 512
 MIN_SPLIT_TOKENS = 256
 SPLIT_FULL_GPU = 256
 NUM_WARPS = 2
-NUM_STAGES = 3
+NUM_STAGES = 2
 # Decode's few query rows leave each block latency-bound: the value load beside the key load.
 LOAD_V_WITH_K = True
 
@@ -86,6 +86,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LOAD_V_WITH_K: tl.constexpr,
@@ -153,6 +154,7 @@ def _decode_kernel(
                     GROUP,
                     HEAD_DIM,
                     BLOCK_D,
+                    BLOCK_G,
                     MAX_CHUNKS,
                 )
                 tl.store(counter, 0)  # ready for the next layer's launch
@@ -172,30 +174,43 @@ def _merge_chunks(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr,
 ):
     """Out's GROUP heads from `first_head` on = one request's chunks, each weighted by its
-    share of the softmax (base 2); the pointers are the request's rows. Every chunk of a head
-    is loaded at once, and the heads are unrolled: the loads do not wait on one another."""
-    offs_s = tl.arange(0, BLOCK_S)
-    valid = offs_s < num_chunks
+    share of the softmax (base 2); the pointers are the request's rows. The chunks are folded
+    in one after another into a running max and sum over all of the group's heads at once,
+    unrolled over every chunk the bucket may have (those past `num_chunks` masked off): no
+    load waits on another, and no step reduces across threads (a reduction over the chunk axis
+    costs a cross-warp exchange per head, which outweighs a batch-1 step's 2-3 chunks)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < GROUP
+    heads = first_head + offs_g
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    for h in tl.static_range(GROUP):
-        head = first_head + h
+    mask = mask_g[:, None] & (offs_d < HEAD_DIM)[None, :]
+    lse_ptrs = part_lse + heads * stride_pl_head
+    po_ptrs = part_out + heads[:, None] * stride_po_head + offs_d[None, :]
+    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for chunk in tl.static_range(MAX_CHUNKS):
+        valid = chunk < num_chunks
         # .cg: from L2, where the other programs' stores are (not a stale L1 line).
         lse = tl.load(
-            part_lse + head * stride_pl_head + offs_s, mask=valid, other=0.0, cache_modifier=".cg"
+            lse_ptrs + chunk, mask=mask_g & valid, other=float("-inf"), cache_modifier=".cg"
         )
         partial = tl.load(
-            part_out + head * stride_po_head + offs_s[:, None] * stride_po_split + offs_d[None, :],
-            mask=valid[:, None] & mask_d[None, :],
-            other=0.0,
-            cache_modifier=".cg",
+            po_ptrs + chunk * stride_po_split, mask=mask & valid, other=0.0, cache_modifier=".cg"
         )
-        weights = tl.where(valid, tl.exp2(lse - tl.max(tl.where(valid, lse, -1e30), 0)), 0.0)
-        o = tl.sum(weights[:, None] * partial, 0) / tl.sum(weights, 0)
-        tl.store(Out + head * stride_o_head + offs_d, o, mask=mask_d)
+        # A padded head (past GROUP) never sees a finite lse: keep its max finite, no NaNs.
+        m_new = tl.where(mask_g, tl.maximum(m, lse), 0.0)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        total = total * alpha + weight
+        acc = acc * alpha[:, None] + weight[:, None] * partial
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(Out + heads[:, None] * stride_o_head + offs_d[None, :], out, mask=mask)
 
 
 def num_decode_splits(batch_size: int, num_kv_heads: int) -> int:
@@ -257,6 +272,7 @@ def decode_attention(
         min_split_tokens(batch, num_kv_heads),
         **heads,
         BLOCK_H=max(16, triton.next_power_of_2(heads["GROUP"])),  # tl.dot needs >= 16 rows
+        BLOCK_G=triton.next_power_of_2(heads["GROUP"]),  # the merge's rows: no dot there
         BLOCK_N=BLOCK_N,
         LOAD_V_WITH_K=LOAD_V_WITH_K,
         num_warps=NUM_WARPS,
