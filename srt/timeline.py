@@ -8,6 +8,11 @@ and the summary adds, per kind, the steps, their mean requests and tokens, the t
 their start to the next step's and their own median gaps (a prefill's path to its first
 token apart from the decodes'); with the process's CPU seconds (`cpu_s`), two answers tell
 whether a process was busy all along (a client diffs them over a run).
+
+A step may also carry measured durations that are not host marks (`durations`, set with
+`record`): the runner's device time per step, busy and idle before it, from CUDA events; the
+summary gives their means over the window and per kind (an idle device shows as a mean,
+where a median of mostly-zero gaps would hide it).
 """
 
 from __future__ import annotations
@@ -22,10 +27,15 @@ from srt.ipc.reports import StepKindSummary, TimelineSummary
 
 
 class StepTimeline:
-    def __init__(self, marks: tuple[str, ...], size: int = 1024) -> None:
+    def __init__(
+        self, marks: tuple[str, ...], size: int = 1024, durations: tuple[str, ...] = ()
+    ) -> None:
         self.marks = marks
         self.index = {name: i for i, name in enumerate(marks)}
         self.times = np.full((size, len(marks)), np.nan)
+        self.durations = durations
+        self.duration_index = {name: i for i, name in enumerate(durations)}
+        self.measured = np.full((size, len(durations)), np.nan)  # milliseconds
         # Per step: its kind (an index into `kinds`, -1 untagged), requests and tokens.
         self.kinds: list[str] = []
         self.tags = np.full((size, 3), -1, dtype=np.int64)
@@ -39,6 +49,7 @@ class StepTimeline:
         row[:] = np.nan
         row[0] = time.perf_counter()
         self.tags[self.steps % len(self.times)] = -1
+        self.measured[self.steps % len(self.times)] = np.nan
 
     def tag(self, kind: str, requests: int, tokens: int) -> None:
         """Say what the step just begun is: its kind (e.g. prefill, decode) and batch."""
@@ -62,6 +73,11 @@ class StepTimeline:
         if self.steps - step < len(self.times):
             self.times[step % len(self.times), self.index[name]] = time.perf_counter()
 
+    def record(self, name: str, step: int, ms: float) -> None:
+        """Set duration `name` of step `step` (milliseconds), if the step is still in the ring."""
+        if self.steps - step < len(self.times):
+            self.measured[step % len(self.times), self.duration_index[name]] = ms
+
     def summary(self, since: float | None = None) -> TimelineSummary:
         """Median milliseconds from each mark to the next over the steps kept, and from one
         step's start to the next's (`period_ms`); a gap no step had is left out. `since` (a
@@ -71,21 +87,31 @@ class StepTimeline:
         kept = min(self.steps, len(self.times))
         # Oldest first, so that the period is taken between consecutive steps.
         order = (np.arange(self.steps - kept + 1, self.steps + 1)) % len(self.times)
-        t, tags = self.times[order], self.tags[order]
+        t, tags, measured = self.times[order], self.tags[order], self.measured[order]
         if since is not None:
             kept_rows = ~(t[:, 0] < since)  # a step begun before `since` is out (NaN rows stay)
-            t, tags = t[kept_rows], tags[kept_rows]
+            t, tags, measured = t[kept_rows], tags[kept_rows], measured[kept_rows]
         t = t * 1000.0
         period_ms, kinds = None, {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
             gaps = self._gaps(t)
+            means = self._means(measured)
             if len(t) > 1:
                 periods = np.diff(t[:, 0])
                 period_ms = round(float(np.nanmedian(periods)), 4)
-                kinds = self._by_kind(t[:-1], tags[:-1], periods)
+                kinds = self._by_kind(t[:-1], tags[:-1], measured[:-1], periods)
         window = int(np.sum(~np.isnan(t[:, 0])))
-        return TimelineSummary(self.steps, window, cpu_s, gaps, period_ms, kinds)
+        return TimelineSummary(self.steps, window, cpu_s, gaps, period_ms, kinds, means)
+
+    def _means(self, measured: np.ndarray) -> dict[str, float]:
+        """The mean of each duration over the rows of `measured` that have it."""
+        means = {}
+        for i, name in enumerate(self.durations):
+            mean = np.nanmean(measured[:, i]) if len(measured) else np.nan
+            if not np.isnan(mean):
+                means[name] = round(float(mean), 4)
+        return means
 
     def _gaps(self, t: np.ndarray) -> dict[str, float]:
         """Median milliseconds from each mark to the next over the rows of `t`; a gap no row
@@ -98,7 +124,7 @@ class StepTimeline:
         return gaps
 
     def _by_kind(
-        self, t: np.ndarray, tags: np.ndarray, periods: np.ndarray
+        self, t: np.ndarray, tags: np.ndarray, measured: np.ndarray, periods: np.ndarray
     ) -> dict[str, StepKindSummary]:
         """Per tagged kind: steps, mean requests and tokens, the milliseconds from their
         starts to the next step's (a long step, or the wait after it, counts in full), and
@@ -113,5 +139,6 @@ class StepTimeline:
                     round(float(tags[rows, 2].mean()), 2),
                     round(float(periods[rows].sum()), 3),
                     self._gaps(t[rows]),
+                    self._means(measured[rows]),
                 )
         return out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from srt.timeline import StepTimeline
 
 
@@ -91,3 +93,64 @@ def test_steps_by_kind_count_their_long_steps_in_full() -> None:
     assert extend.gaps_ms["start_to_done"] >= 30.0 > decode.gaps_ms["start_to_done"]
     assert summary.period_ms is not None and summary.period_ms < 30.0  # short periods only
     assert summary.cpu_s > cpu_before
+
+
+def test_durations_are_averaged_over_the_window_and_per_kind() -> None:
+    """A step's measured durations (the runner's device busy and idle ms): means, not medians,
+    so that a device idle on one step in four shows; a step that fell out of the ring, or
+    before the window, counts for nothing."""
+    timeline = StepTimeline(("start", "done"), size=8, durations=("busy", "idle"))
+    for step, (kind, busy, idle) in enumerate(
+        [("decode", 1.0, 0.0), ("decode", 1.0, 0.0), ("extend", 3.0, 2.0), ("decode", 2.0, 0.8)],
+        start=1,
+    ):
+        timeline.begin(step)
+        timeline.tag(kind, 1, 1)
+        timeline.mark("done")
+        timeline.record("busy", step, busy)
+        if step > 1:  # the first step has no step before it to be idle after
+            timeline.record("idle", step, idle)
+    timeline.record("busy", -20, 99.0)  # fell out of the ring: ignored
+    timeline.begin(5)
+    summary = timeline.summary()
+    assert summary.means_ms == {"busy": 1.75, "idle": round(2.8 / 3, 4)}
+    assert summary.kinds["decode"].means_ms == {"busy": round(4 / 3, 4), "idle": 0.4}
+    assert summary.kinds["extend"].means_ms == {"busy": 3.0, "idle": 2.0}
+    assert timeline.summary(time.perf_counter()).means_ms == {}
+    plain = StepTimeline(("start", "done"))
+    plain.begin()
+    assert plain.summary().means_ms == {}
+
+
+def test_device_clock_measures_nothing_off_cuda() -> None:
+    torch = pytest.importorskip("torch")
+    from srt.model_executor.device_clock import DeviceClock
+
+    clock = DeviceClock(torch.device("cpu"))
+    assert clock.start() is None and clock.step_ms(None, None) == {}
+
+
+@pytest.mark.gpu
+def test_device_clock_splits_a_step_into_busy_and_idle() -> None:
+    """Two steps of device work with the host asleep between them: the second's idle holds
+    the sleep, each one's busy the work (the runner's events, as `RunnerLoop` records them)."""
+    import torch
+
+    from srt.model_executor.device_clock import DeviceClock
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    clock = DeviceClock(torch.device("cuda"))
+    x = torch.randn(4096, 4096, device="cuda")
+    steps = []
+    for _ in range(2):
+        start = clock.start()
+        for _ in range(20):
+            x = x @ x / 64
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        steps.append(clock.step_ms(start, end))
+        time.sleep(0.05)
+    assert set(steps[0]) == {"device_busy"} and steps[0]["device_busy"] > 0.1
+    assert steps[1]["device_busy"] > 0.1 and steps[1]["device_idle"] >= 45.0

@@ -1274,6 +1274,13 @@ TABLE = [
     # Where the time went: the server's decode batch, its extend (prefill) steps and their
     # share of the run, and whether a process (or this client) was on a CPU all along.
     ("decode bs", "decode_bs"),
+    # The server's step (its scheduler's median period) against the runner's alone at that
+    # batch (the ceiling's), and what the device did per decode step: busy, and idle waiting
+    # for the host (the runner's CUDA events; means).
+    ("step ms", "server_step_ms"),
+    ("runner step ms", "runner_step_ms"),
+    ("device busy ms", "device_busy_ms"),
+    ("device idle ms", "device_idle_ms"),
     ("extend steps", "extend_steps"),
     ("extend time %", "extend_share"),
     ("CPU sched", "cpu_scheduler"),
@@ -1290,6 +1297,7 @@ def table_row(run: dict[str, Any]) -> dict[str, Any]:
     """A run's row of the printed table (latencies in ms); the figures an older results file
     lacks are left empty."""
     sched = (run.get("timeline") or {}).get("scheduler")
+    device = step_kind((run.get("timeline") or {}).get("runner"), "decode").get("means_ms") or {}
     request_gaps = ((run.get("timeline") or {}).get("tokenizer_requests") or {}).get("gaps_ms")
     extend, decode = step_kind(sched, "extend"), step_kind(sched, "decode")
     total = extend.get("ms_total", 0.0) + decode.get("ms_total", 0.0)
@@ -1303,6 +1311,10 @@ def table_row(run: dict[str, Any]) -> dict[str, Any]:
         "steady_tpot_p50": (steady.get("tpot_ms") or {}).get("p50"),
         "server_first_token_p50": (request_gaps or {}).get("sent_to_first_token"),
         "decode_bs": decode.get("requests_mean"),
+        "server_step_ms": (sched or {}).get("period_ms"),
+        "runner_step_ms": (run.get("runner_ceiling") or {}).get("decode_ms"),
+        "device_busy_ms": device.get("device_busy"),
+        "device_idle_ms": device.get("device_idle"),
         "extend_steps": extend.get("steps"),
         "extend_share": round(100 * extend.get("ms_total", 0.0) / total, 1) if total else None,
         **{f"cpu_{proc}": share for proc, share in (run.get("cpu_busy") or {}).items()},

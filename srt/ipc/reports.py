@@ -167,6 +167,7 @@ class StepKindSummary:
     tokens_mean: float
     ms_total: float  # from their starts to the next step's (a long step counts in full)
     gaps_ms: dict[str, float] = field(default_factory=dict)  # their median gaps, as below
+    means_ms: dict[str, float] = field(default_factory=dict)  # their durations' means
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,8 @@ class TimelineSummary:
     gaps_ms: dict[str, float]
     period_ms: float | None
     kinds: dict[str, StepKindSummary]
+    # Measured durations' means (the runner's device busy and idle ms per step, on CUDA).
+    means_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

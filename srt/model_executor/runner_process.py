@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+import torch
 import zmq
 
 from srt.ipc.channels import FROM_RUNNER, TO_RUNNER, Endpoints, Receiver, Sender
@@ -28,6 +29,7 @@ from srt.ipc.messages import (
 )
 from srt.ipc.reports import ProfileOutcome, RunnerInfo
 from srt.model_config import ModelConfig
+from srt.model_executor.device_clock import DeviceClock
 from srt.model_executor.model_runner import ModelRunner, PendingResult
 from srt.model_executor.runner_profiler import RunnerProfiler
 from srt.process import ReadyPipe, run_child
@@ -36,6 +38,9 @@ from srt.timeline import StepTimeline
 from srt.tp_rank import TPRank
 
 logger = logging.getLogger(__name__)
+
+# A step launched: its result on the way, and the event before its first op.
+Launched = tuple[PendingResult, torch.cuda.Event | None]
 
 
 def _build_runner(args: ServerArgs, tp: TPRank) -> ModelRunner:
@@ -55,22 +60,28 @@ class RunnerLoop:
             RunnerReady(self.runner.num_slots, self.runner.context_length, device_type)
         )
         self.busy_s = args.busy_poll_s(device_type)
-        # Per step: plan received, launched (on CUDA, queued on the device), result sent.
-        self.timeline = StepTimeline(("received", "launched", "result_sent"))
+        # Per step: plan received, launched (on CUDA, queued on the device), result sent; and
+        # the device's busy and idle milliseconds (CUDA).
+        self.timeline = StepTimeline(
+            ("received", "launched", "result_sent"), durations=("device_busy", "device_idle")
+        )
+        self.clock = DeviceClock(self.runner.device)
         self.profiler = RunnerProfiler(self.runner.device)  # on request only
 
-    def _send_ready(self, pending: deque[PendingResult], wait: bool = False) -> None:
+    def _send_ready(self, pending: deque[Launched], wait: bool = False) -> None:
         """Send the results that are on the host, oldest first (with `wait`, all of them)."""
-        while pending and (wait or pending[0].ready()):
-            result = pending.popleft()
+        while pending and (wait or pending[0][0].ready()):
+            result, started = pending.popleft()
             self.results.send(result.wait())
             self.timeline.mark("result_sent", result.step)
+            for name, ms in self.clock.step_ms(started, result.event).items():
+                self.timeline.record(name, result.step, ms)
 
     def runner_info(self) -> RunnerInfo:
         return self.runner.info()
 
     def run(self) -> None:
-        pending: deque[PendingResult] = deque()  # launched, results not sent yet
+        pending: deque[Launched] = deque()  # launched, results not sent yet
         while True:
             self._send_ready(pending)
             if pending and not self.inbox.poll():
@@ -81,8 +92,9 @@ class RunnerLoop:
             if isinstance(msg, BatchPlan):
                 self.timeline.begin(msg.step)
                 self.timeline.tag_plan(msg)
+                started = self.clock.start()
                 with self.profiler.step():
-                    pending.append(self.runner.launch(msg))
+                    pending.append((self.runner.launch(msg), started))
                 self.timeline.mark("launched")
                 if self.profiler.due:
                     self._send_ready(pending, wait=True)  # its steps' kernels in the trace

@@ -28,7 +28,7 @@ class PendingResult:
         if tensors[0].is_cuda:
             # non_blocking into a new CPU tensor pins it, so the copy is asynchronous.
             self.host = [t.to("cpu", non_blocking=True) for t in tensors]
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event(enable_timing=True)  # the step's end (DeviceClock)
             self.event.record()
         else:
             self.host = [t.clone() for t in tensors]
