@@ -743,6 +743,43 @@ def test_disconnect_mid_stream_frees_kv(server: ServerProcess) -> None:
     assert server.info()["scheduler"]["kv_slots_used"] == 0
 
 
+def test_a_stream_whose_response_never_started_is_aborted() -> None:
+    """A stream's sequences go to the scheduler before its response is made: a client gone
+    before the response's first message still gets them aborted (the generation closed), and
+    the events generator closed, though it never ran."""
+    import asyncio
+
+    from srt.server.http.common import EventStream
+
+    class Sent:
+        closes = 0
+
+        def close(self) -> None:
+            self.closes += 1
+
+    started = []
+
+    async def events():
+        started.append(True)
+        yield b"data: {}\n\n"
+
+    async def gone(message: dict) -> None:
+        raise OSError("the client went away")
+
+    async def receive() -> dict:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    generation = Sent()
+    stream = EventStream(events(), generation)  # type: ignore[arg-type]
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+    with pytest.raises(OSError):
+        asyncio.run(stream(scope, receive, gone))
+    assert generation.closes == 1 and not started
+    with pytest.raises(StopAsyncIteration):  # closed: it will never yield
+        asyncio.run(stream.body_iterator.__anext__())
+
+
 def test_startup_breakdown(server: ServerProcess, tiny_llama: Path) -> None:
     info = server.info()
     procs = info["processes"]

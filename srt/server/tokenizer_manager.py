@@ -4,7 +4,8 @@ per sequence.
 
 One call to `generate` runs one or more sequences (several prompts, `n` choices) and yields their
 updates as they arrive; leaving the iteration early (a client that disconnects) aborts whatever
-is still running, which frees its KV slots in the scheduler.
+is still running, which frees its KV slots in the scheduler. A stream sends its sequences first
+(`submit`) and sets its response up while the scheduler works on them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 import zmq
@@ -84,6 +86,91 @@ class Mailbox:
                 self.waiter = None
         items, self.items = self.items, []
         return items
+
+
+class Generation:
+    """One call's sequences, sent to the scheduler as it is made (`TokenizerManager.submit`):
+    their updates as they come (`updates`), and `close`, which aborts whatever has not
+    finished. A stream's response closes it however the response ends, whether or not its
+    events ever started: a client gone before then must still free the requests' KV."""
+
+    def __init__(self, manager: TokenizerManager, seqs: list[Seq]) -> None:
+        self.manager = manager
+        self.arrival = time.perf_counter()
+        manager.requests.begin()
+        self.call = manager.requests.steps
+        self.mailbox = Mailbox()
+        base = uuid.uuid4().hex
+        self.rids = [f"{base}-{i}" for i in range(len(seqs))]
+        reqs = [
+            GenerateReq(rid, seq.input_ids, seq.params, True, manager.worker)
+            for rid, seq in zip(self.rids, seqs, strict=True)
+        ]
+        for rid in self.rids:
+            manager.seq_mailboxes[rid] = self.mailbox
+        manager.to_scheduler.send(reqs[0] if len(reqs) == 1 else GenerateReqs(reqs, manager.worker))
+        manager.requests.mark("sent", self.call)
+        # The rest after the send: the scheduler starts on the prompts meanwhile.
+        for seq in seqs:
+            manager.metrics.prompt_tokens.inc(len(seq.input_ids))
+        self.decoders = {
+            rid: SeqDecoder(i, manager.tokenizer, seq.params)
+            for i, (rid, seq) in enumerate(zip(self.rids, seqs, strict=True))
+        }
+        self.pending = set(self.rids)
+        self.closed = False
+
+    async def updates(self) -> AsyncGenerator[SeqUpdate, None]:
+        """Each step's update until every sequence has finished; closing it early aborts."""
+        manager, metrics, call = self.manager, self.manager.metrics, self.call
+        pending = self.pending
+        last_seen: dict[str, float] = {}
+        try:
+            while pending:
+                # Everything that has arrived, one update per sequence.
+                for out in coalesce(await self.mailbox.take_all()):
+                    if out.rid not in pending:
+                        continue  # a step that was under way when a stop string ended it
+                    if out.error is not None:  # the backend died, or the scheduler refused it
+                        if manager.failure:
+                            raise ServerNotReady(out.error)
+                        raise InvalidRequest(out.error)
+                    update, abort = self.decoders[out.rid].update(out)
+                    now = time.perf_counter()
+                    if update.token_ids:
+                        first = not last_seen
+                        metrics.observe_tokens(
+                            len(update.token_ids),
+                            now - last_seen.get(out.rid, self.arrival),
+                            first=out.rid not in last_seen,
+                        )
+                        last_seen[out.rid] = now
+                        if first:
+                            manager.requests.mark("first_token", call)
+                    if update.finish_reason is not None:
+                        pending.discard(out.rid)
+                        if not pending:
+                            manager.requests.mark("finished", call)
+                        manager.seq_mailboxes.pop(out.rid, None)
+                        metrics.observe_finish(update.finish_reason, now - self.arrival)
+                        if abort:  # a stop string: the scheduler, seeing only ids, runs it on
+                            manager.to_scheduler.send(AbortReq(out.rid, manager.worker))
+                    yield update
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort the sequences that have not finished (once; later calls do nothing)."""
+        if self.closed:
+            return
+        self.closed = True
+        manager = self.manager
+        for rid in self.rids:
+            manager.seq_mailboxes.pop(rid, None)
+            if rid in self.pending:
+                manager.metrics.observe_finish("abort", time.perf_counter() - self.arrival)
+                if manager.failure is None:
+                    manager.to_scheduler.send(AbortReq(rid, manager.worker))
 
 
 class TokenizerManager:
@@ -262,66 +349,18 @@ class TokenizerManager:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def generate(self, seqs: list[Seq]) -> AsyncGenerator[SeqUpdate, None]:
-        """Run prepared sequences; yield each step's update until every one has finished."""
+    def submit(self, seqs: list[Seq]) -> Generation:
+        """Send prepared sequences to the scheduler now, before anything else is set up (a
+        stream's response): their updates come from the `Generation`."""
         self.check_ready()
-        arrival = time.perf_counter()
-        self.requests.begin()
-        call = self.requests.steps
-        mailbox = Mailbox()
-        base = uuid.uuid4().hex
-        rids = [f"{base}-{i}" for i in range(len(seqs))]
-        decoders = {
-            rid: SeqDecoder(i, self.tokenizer, seq.params)
-            for i, (rid, seq) in enumerate(zip(rids, seqs, strict=True))
-        }
-        last_seen: dict[str, float] = {}
-        pending = set(rids)
-        reqs = []
-        for rid, seq in zip(rids, seqs, strict=True):
-            self.seq_mailboxes[rid] = mailbox
-            reqs.append(GenerateReq(rid, seq.input_ids, seq.params, True, self.worker))
-            self.metrics.prompt_tokens.inc(len(seq.input_ids))
-        self.to_scheduler.send(reqs[0] if len(reqs) == 1 else GenerateReqs(reqs, self.worker))
-        self.requests.mark("sent", call)
-        try:
-            while pending:
-                # Everything that has arrived, one update per sequence.
-                for out in coalesce(await mailbox.take_all()):
-                    if out.rid not in pending:
-                        continue  # a step that was under way when a stop string ended it
-                    if out.error is not None:  # the backend died, or the scheduler refused it
-                        if self.failure:
-                            raise ServerNotReady(out.error)
-                        raise InvalidRequest(out.error)
-                    update, abort = decoders[out.rid].update(out)
-                    now = time.perf_counter()
-                    if update.token_ids:
-                        first = not last_seen
-                        self.metrics.observe_tokens(
-                            len(update.token_ids),
-                            now - last_seen.get(out.rid, arrival),
-                            first=out.rid not in last_seen,
-                        )
-                        last_seen[out.rid] = now
-                        if first:
-                            self.requests.mark("first_token", call)
-                    if update.finish_reason is not None:
-                        pending.discard(out.rid)
-                        if not pending:
-                            self.requests.mark("finished", call)
-                        self.seq_mailboxes.pop(out.rid, None)
-                        self.metrics.observe_finish(update.finish_reason, now - arrival)
-                        if abort:  # a stop string: the scheduler, seeing only ids, runs it on
-                            self.to_scheduler.send(AbortReq(out.rid, self.worker))
-                    yield update
-        finally:
-            for rid in rids:
-                self.seq_mailboxes.pop(rid, None)
-                if rid in pending:
-                    self.metrics.observe_finish("abort", time.perf_counter() - arrival)
-                    if self.failure is None:
-                        self.to_scheduler.send(AbortReq(rid, self.worker))
+        return Generation(self, seqs)
+
+    async def generate(self, seqs: list[Seq]) -> AsyncGenerator[SeqUpdate, None]:
+        """Run prepared sequences; yield each step's update until every one has finished
+        (sent when the iteration starts)."""
+        async with aclosing(self.submit(seqs).updates()) as updates:
+            async for update in updates:
+                yield update
 
     async def generate_all(self, seqs: list[Seq]) -> list[SeqResult]:
         results = [SeqResult(i) for i in range(len(seqs))]

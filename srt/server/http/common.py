@@ -19,7 +19,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from srt.server.tokenizer_manager import ServerNotReady
+from srt.server.tokenizer_manager import Generation, ServerNotReady
 
 logger = logging.getLogger(__name__)
 
@@ -34,20 +34,24 @@ class OrjsonResponse(JSONResponse):
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events; the event generator is closed however the response ends, so that
-    a disconnected client's sequences are aborted at once."""
+    """Server-sent events of a `Generation` sent before the response was made; the event
+    generator and the generation are closed however the response ends, so that a
+    disconnected client's sequences are aborted at once (those of a response whose events
+    never started too)."""
 
     media_type = "text/event-stream"
     body_iterator: AsyncGenerator[bytes, None]
 
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], generation: Generation) -> None:
         super().__init__(events)
+        self.generation = generation
 
-    async def stream_response(self, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().stream_response(send)
+            await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            self.generation.close()
 
 
 def error_body(

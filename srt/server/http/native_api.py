@@ -18,9 +18,8 @@ from fastapi.responses import Response
 
 from srt.server.http.common import EventStream, body_bytes, sse, unless_disconnected
 from srt.server.http.openai_protocol import GenerateRequest
-from srt.server.request_frontend import Seq
 from srt.server.seq_outputs import SeqResult
-from srt.server.tokenizer_manager import TokenizerManager
+from srt.server.tokenizer_manager import Generation, TokenizerManager
 
 
 def native_router(manager: TokenizerManager) -> APIRouter:
@@ -29,10 +28,10 @@ def native_router(manager: TokenizerManager) -> APIRouter:
     def native(r: SeqResult) -> dict[str, Any]:
         return {"index": r.index, **r.native()}
 
-    async def native_events(seqs: list[Seq]) -> AsyncGenerator[dict[str, Any], None]:
+    async def native_events(generation: Generation) -> AsyncGenerator[dict[str, Any], None]:
         incremental = manager.args.incremental_streaming_output
-        results = [SeqResult(i) for i in range(len(seqs))]
-        async with aclosing(manager.generate(seqs)) as updates:
+        results = [SeqResult(i) for i in range(len(generation.rids))]
+        async with aclosing(generation.updates()) as updates:
             async for u in updates:
                 result = SeqResult(u.index) if incremental else results[u.index]
                 result.add(u)
@@ -45,7 +44,8 @@ def native_router(manager: TokenizerManager) -> APIRouter:
             body_bytes(request),
         )
         if req.stream:
-            return EventStream(sse(native_events(seqs)))
+            generation = manager.submit(seqs)  # the scheduler starts while the response is set up
+            return EventStream(sse(native_events(generation)), generation)
         results = await unless_disconnected(request, manager.generate_all(seqs))
         if isinstance(results, Response):
             return results

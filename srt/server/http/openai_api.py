@@ -23,9 +23,8 @@ from srt.server.http.openai_protocol import (
     now,
     usage,
 )
-from srt.server.request_frontend import Seq
 from srt.server.seq_outputs import SeqResult, SeqUpdate
-from srt.server.tokenizer_manager import TokenizerManager
+from srt.server.tokenizer_manager import Generation, TokenizerManager
 
 
 class OpenAIRoutes:
@@ -86,12 +85,12 @@ class OpenAIRoutes:
         }
 
     async def completion_events(
-        self, seqs: list[Seq], prompt_tokens: int, req: CompletionRequest
+        self, generation: Generation, prompt_tokens: int, req: CompletionRequest
     ) -> AsyncGenerator[dict[str, Any], None]:
         head = self.head("cmpl", "text_completion")
-        offsets = [0] * len(seqs)
-        completion_tokens = [0] * len(seqs)
-        async with aclosing(self.manager.generate(seqs)) as updates:
+        offsets = [0] * len(generation.rids)
+        completion_tokens = [0] * len(generation.rids)
+        async with aclosing(generation.updates()) as updates:
             async for u in updates:
                 completion_tokens[u.index] = u.completion_tokens
                 if not (u.text or u.finish_reason or (req.logprobs is not None and u.token_ids)):
@@ -114,7 +113,10 @@ class OpenAIRoutes:
         )
         prompt_tokens = sum(len(s.input_ids) for s in seqs[:: req.n])
         if req.stream:
-            return EventStream(sse(self.completion_events(seqs, prompt_tokens, req)))
+            generation = self.manager.submit(seqs)  # the scheduler starts meanwhile
+            return EventStream(
+                sse(self.completion_events(generation, prompt_tokens, req)), generation
+            )
         results = await unless_disconnected(request, self.manager.generate_all(seqs))
         if isinstance(results, Response):
             return results
@@ -132,16 +134,16 @@ class OpenAIRoutes:
         return chat_logprobs(u.token_ids, u.logprobs, u.top_logprobs, self.manager.token_text)
 
     async def chat_events(
-        self, seqs: list[Seq], req: ChatCompletionRequest
+        self, generation: Generation, prompt_tokens: int, req: ChatCompletionRequest
     ) -> AsyncGenerator[dict[str, Any], None]:
         head = self.head("chatcmpl", "chat.completion.chunk")
         top = req.top_logprobs_num
-        for i in range(len(seqs)):
+        for i in range(len(generation.rids)):
             role = {"role": "assistant", "content": ""}
             choice = {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
             yield {**head, "choices": [choice], "usage": None}
-        completion_tokens = [0] * len(seqs)
-        async with aclosing(self.manager.generate(seqs)) as updates:
+        completion_tokens = [0] * len(generation.rids)
+        async with aclosing(generation.updates()) as updates:
             async for u in updates:
                 completion_tokens[u.index] = u.completion_tokens
                 if not (u.text or u.finish_reason or (top is not None and u.token_ids)):
@@ -154,7 +156,6 @@ class OpenAIRoutes:
                 }
                 yield {**head, "usage": None, "choices": [choice]}
         if req.include_usage:
-            prompt_tokens = len(seqs[0].input_ids)
             yield {**head, "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens))}
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Any:
@@ -169,7 +170,10 @@ class OpenAIRoutes:
             None,  # a chat template is code, whose cost the body's size does not bound
         )
         if req.stream:
-            return EventStream(sse(self.chat_events(seqs, req)))
+            generation = self.manager.submit(seqs)  # the scheduler starts meanwhile
+            return EventStream(
+                sse(self.chat_events(generation, len(seqs[0].input_ids), req)), generation
+            )
         results = await unless_disconnected(request, self.manager.generate_all(seqs))
         if isinstance(results, Response):
             return results
