@@ -17,7 +17,8 @@
 #                        cuBLAS per decode product and row bucket; the table it writes (under
 #                        srt/layers/tuned/, used by the stages after it) comes back too
 #   runner-SHAPE         one_batch for disabled, full, full-cublas (the skinny kernel off),
-#                        full --enable-torch-compile, full over
+#                        full --enable-torch-compile, full with flashinfer attention
+#                        (full-flashinfer, not in the default list), full over
 #                        Inductor pieces, breakable, tc_piecewise eager and inductor, full
 #                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF)
 #                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists, an
@@ -43,7 +44,7 @@
 #                        (e.g. "--no-warmup" with SERVING_CONCURRENCY="1 128 1": concurrency
 #                        1 on a fresh KV pool, then after 1,024 requests at 128)
 #   noloss-SHAPE         2,000 requests at concurrency 128 (128 prompt tokens, 256 new) with
-#                        NOLOSS_FLAGS (default: --tokenizer-worker-num 2): all finish whole?
+#                        the server's defaults and NOLOSS_FLAGS: all finish whole?
 #   attention            srt.bench.attention on the 1B and 8B heads, for ATTENTION_BACKENDS
 #                        (default: triton flashinfer)
 # SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first (again
@@ -75,6 +76,8 @@ export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$work/flashinfer}
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__,
               'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  # The host's CPUs: its hyperthreads, cores and model say what the processes share.
+  lscpu | grep -E '^(Model name|CPU\(s\)|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|CPU max MHz)'
 } > "$out/environment.txt" 2>&1
 cat "$out/environment.txt"
 
@@ -121,6 +124,7 @@ runner() {  # the decode paths of srt and the alternatives on one shape
     [tc-eager]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler eager"
     [tc-inductor]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor"
     [prefill-full]="--cuda-graph-backend-decode full --cuda-graph-backend-prefill full"
+    [full-flashinfer]="--cuda-graph-backend-decode full --attention-backend flashinfer"
   )
   local config method
   for config in $configs; do
@@ -191,7 +195,7 @@ noloss() {  # 2,000 requests at concurrency 128, 128 prompt tokens and 256 new: 
   step "$name" python3 -m srt.bench.serving --max-concurrency 128 --num-prompts 2000 \
     --input-len 128 --output-len 256 --output-file "$out/$name.json" \
     --server-log "$work/logs/server-$name.log" -- --model-path "$SHAPE_DIR" \
-    --load-format dummy ${NOLOSS_FLAGS:---tokenizer-worker-num 2}
+    --load-format dummy ${NOLOSS_FLAGS:-}
   tail -n 3 "$work/logs/$name.log"
 }
 
