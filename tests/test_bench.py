@@ -1119,3 +1119,20 @@ def test_random_checkpoint_loads_everywhere(small_shape: str, tmp_path: Path) ->
             assert torch.equal(tensor, theirs_state[name]), name
             assert math.isclose(tensor.float().std().item(), 0.02, rel_tol=0.3), name
     assert index["metadata"]["total_size"] == total
+
+
+def test_one_batch_labels_keep_backends_and_op_selections_apart() -> None:
+    """Rows of one results file that differ only in the attention backend or the custom ops
+    get their own rows in the tables (they were printed over one another)."""
+    from srt.bench.one_batch import label
+
+    base = {"decode_backend": "full", "prefill_backend": "disabled", "custom_ops": None}
+    rows = [
+        {**base, "attention_backend": "triton"},
+        {**base, "attention_backend": "flashinfer"},
+        {**base, "attention_backend": "triton", "custom_ops": "all,-skinny_matmul"},
+    ]
+    assert [label(r) for r in rows] == ["full", "full, flashinfer", "full, ops all,-skinny_matmul"]
+    assert label({"decode_backend": "tc_piecewise", "tc_compiler": "inductor"}) == (
+        "tc_piecewise-inductor"
+    )

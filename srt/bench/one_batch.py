@@ -287,7 +287,9 @@ def bench(
 def label(row: dict[str, Any]) -> str:
     """The decode path of a result row, e.g. `full+compile`, `full-inductor` (the captured
     graph over Inductor pieces) or `tc_piecewise-inductor`, and the prefill backend where it
-    is not `disabled` (`full, prefill full`)."""
+    is not `disabled` (`full, prefill full`); an attention backend other than `triton` and a
+    `--custom-ops` selection too (`full, flashinfer`, `full, ops all,-skinny_matmul`), so that
+    rows of one file that differ only in those stay apart."""
     name = row["decode_backend"]
     if row.get("enable_torch_compile") and name == "full":
         name += "+compile"
@@ -295,6 +297,10 @@ def label(row: dict[str, Any]) -> str:
         name += f"-{row['tc_compiler']}"
     if row.get("prefill_backend") not in (None, "disabled"):
         name += f", prefill {row['prefill_backend']}"
+    if row.get("attention_backend") not in (None, "triton"):
+        name += f", {row['attention_backend']}"
+    if row.get("custom_ops"):
+        name += f", ops {row['custom_ops']}"
     return name
 
 
