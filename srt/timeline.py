@@ -140,5 +140,9 @@ class StepTimeline:
                     round(float(periods[rows].sum()), 3),
                     self._gaps(t[rows]),
                     self._means(measured[rows]),
+                    {
+                        f"p{q}": round(float(np.percentile(periods[rows], q)), 4)
+                        for q in (10, 50, 90)
+                    },
                 )
         return out

@@ -92,6 +92,10 @@ def test_steps_by_kind_count_their_long_steps_in_full() -> None:
     # Each kind's own median gaps: the prefills' 30 ms path apart from the decodes'.
     assert extend.gaps_ms["start_to_done"] >= 30.0 > decode.gaps_ms["start_to_done"]
     assert summary.period_ms is not None and summary.period_ms < 30.0  # short periods only
+    # Each kind's spread of periods: the prefills' all long, the decodes' all short.
+    assert set(extend.periods_ms) == {"p10", "p50", "p90"}
+    assert 30.0 <= extend.periods_ms["p10"] <= extend.periods_ms["p50"] <= extend.periods_ms["p90"]
+    assert decode.periods_ms["p10"] <= decode.periods_ms["p50"] <= decode.periods_ms["p90"] < 30.0
     assert summary.cpu_s > cpu_before
 
 

@@ -1278,6 +1278,8 @@ TABLE = [
     # batch (the ceiling's), and what the device did per decode step: busy, and idle waiting
     # for the host (the runner's CUDA events; means).
     ("step ms", "server_step_ms"),
+    ("step p10", "server_step_p10_ms"),
+    ("step p90", "server_step_p90_ms"),
     ("runner step ms", "runner_step_ms"),
     ("device busy ms", "device_busy_ms"),
     ("device idle ms", "device_idle_ms"),
@@ -1311,7 +1313,13 @@ def table_row(run: dict[str, Any]) -> dict[str, Any]:
         "steady_tpot_p50": (steady.get("tpot_ms") or {}).get("p50"),
         "server_first_token_p50": (request_gaps or {}).get("sent_to_first_token"),
         "decode_bs": decode.get("requests_mean"),
-        "server_step_ms": (sched or {}).get("period_ms"),
+        # The decode steps' own median period where the timeline has it (older files: all
+        # steps'), and their spread.
+        "server_step_ms": (decode.get("periods_ms") or {}).get(
+            "p50", (sched or {}).get("period_ms")
+        ),
+        "server_step_p10_ms": (decode.get("periods_ms") or {}).get("p10"),
+        "server_step_p90_ms": (decode.get("periods_ms") or {}).get("p90"),
         "runner_step_ms": (run.get("runner_ceiling") or {}).get("decode_ms"),
         "device_busy_ms": device.get("device_busy"),
         "device_idle_ms": device.get("device_idle"),

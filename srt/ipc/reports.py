@@ -168,6 +168,9 @@ class StepKindSummary:
     ms_total: float  # from their starts to the next step's (a long step counts in full)
     gaps_ms: dict[str, float] = field(default_factory=dict)  # their median gaps, as below
     means_ms: dict[str, float] = field(default_factory=dict)  # their durations' means
+    # Their periods (start to the next step's start): p10, p50 and p90, where a median of all
+    # steps hides an uneven rhythm of short and long turns.
+    periods_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
