@@ -106,19 +106,24 @@ class Generation:
             GenerateReq(rid, seq.input_ids, seq.params, True, manager.worker)
             for rid, seq in zip(self.rids, seqs, strict=True)
         ]
+        self.pending = set(self.rids)
+        self.closed = False
         for rid in self.rids:
             manager.seq_mailboxes[rid] = self.mailbox
         manager.to_scheduler.send(reqs[0] if len(reqs) == 1 else GenerateReqs(reqs, manager.worker))
         manager.requests.mark("sent", self.call)
-        # The rest after the send: the scheduler starts on the prompts meanwhile.
-        for seq in seqs:
-            manager.metrics.prompt_tokens.inc(len(seq.input_ids))
-        self.decoders = {
-            rid: SeqDecoder(i, manager.tokenizer, seq.params)
-            for i, (rid, seq) in enumerate(zip(self.rids, seqs, strict=True))
-        }
-        self.pending = set(self.rids)
-        self.closed = False
+        # The rest after the send: the scheduler starts on the prompts meanwhile (and should
+        # it fail, they are aborted, not left running for nobody).
+        try:
+            for seq in seqs:
+                manager.metrics.prompt_tokens.inc(len(seq.input_ids))
+            self.decoders = {
+                rid: SeqDecoder(i, manager.tokenizer, seq.params)
+                for i, (rid, seq) in enumerate(zip(self.rids, seqs, strict=True))
+            }
+        except BaseException:
+            self.close()
+            raise
 
     async def updates(self) -> AsyncGenerator[SeqUpdate, None]:
         """Each step's update until every sequence has finished; closing it early aborts."""
