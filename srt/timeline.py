@@ -25,6 +25,14 @@ import numpy as np
 from srt.ipc.messages import BatchPlan
 from srt.ipc.reports import StepKindSummary, TimelineSummary
 
+PERIOD_QUANTILES = (10, 50, 90)  # each kind's spread of periods (`periods_ms`)
+
+
+def _spread(periods: np.ndarray) -> dict[str, float]:
+    """The PERIOD_QUANTILES of `periods` (ms), keyed p10, p50, p90."""
+    values = np.percentile(periods, PERIOD_QUANTILES)
+    return {f"p{q}": round(float(ms), 4) for q, ms in zip(PERIOD_QUANTILES, values, strict=True)}
+
 
 class StepTimeline:
     def __init__(
@@ -140,9 +148,6 @@ class StepTimeline:
                     round(float(periods[rows].sum()), 3),
                     self._gaps(t[rows]),
                     self._means(measured[rows]),
-                    {
-                        f"p{q}": round(float(np.percentile(periods[rows], q)), 4)
-                        for q in (10, 50, 90)
-                    },
+                    _spread(periods[rows]),
                 )
         return out

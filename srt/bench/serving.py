@@ -1274,9 +1274,9 @@ TABLE = [
     # Where the time went: the server's decode batch, its extend (prefill) steps and their
     # share of the run, and whether a process (or this client) was on a CPU all along.
     ("decode bs", "decode_bs"),
-    # The server's step (its scheduler's median period) against the runner's alone at that
-    # batch (the ceiling's), and what the device did per decode step: busy, and idle waiting
-    # for the host (the runner's CUDA events; means).
+    # The server's decode step (its scheduler's decode periods: median, p10, p90) against the
+    # runner's alone at that batch (the ceiling's), and what the device did per decode step:
+    # busy, and idle waiting for the host (the runner's CUDA events; means).
     ("step ms", "server_step_ms"),
     ("step p10", "server_step_p10_ms"),
     ("step p90", "server_step_p90_ms"),

@@ -107,7 +107,6 @@ class Generation:
             for rid, seq in zip(self.rids, seqs, strict=True)
         ]
         self.pending = set(self.rids)
-        self.closed = False
         for rid in self.rids:
             manager.seq_mailboxes[rid] = self.mailbox
         manager.to_scheduler.send(reqs[0] if len(reqs) == 1 else GenerateReqs(reqs, manager.worker))
@@ -165,17 +164,16 @@ class Generation:
             self.close()
 
     def close(self) -> None:
-        """Abort the sequences that have not finished (once; later calls do nothing)."""
-        if self.closed:
-            return
-        self.closed = True
+        """Abort the sequences that have not finished; none is left pending, so a second call
+        does nothing."""
         manager = self.manager
         for rid in self.rids:
             manager.seq_mailboxes.pop(rid, None)
-            if rid in self.pending:
-                manager.metrics.observe_finish("abort", time.perf_counter() - self.arrival)
-                if manager.failure is None:
-                    manager.to_scheduler.send(AbortReq(rid, manager.worker))
+        for rid in self.pending:
+            manager.metrics.observe_finish("abort", time.perf_counter() - self.arrival)
+            if manager.failure is None:
+                manager.to_scheduler.send(AbortReq(rid, manager.worker))
+        self.pending.clear()
 
 
 class TokenizerManager:
