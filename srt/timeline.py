@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +28,10 @@ from srt.ipc.messages import BatchPlan
 from srt.ipc.reports import StepKindSummary, TimelineSummary
 
 PERIOD_QUANTILES = (10, 50, 90)  # each kind's spread of periods (`periods_ms`)
+# Steps a timeline keeps: a bench's load window must fit (16,384 decode steps of 1.5 ms are 25
+# s; a tokenizer's messages come faster), or its summary describes only the window's end, the
+# tail where the batch drains. About 1 MB a timeline.
+RING_STEPS = 16384
 
 
 def _spread(periods: np.ndarray) -> dict[str, float]:
@@ -36,7 +42,7 @@ def _spread(periods: np.ndarray) -> dict[str, float]:
 
 class StepTimeline:
     def __init__(
-        self, marks: tuple[str, ...], size: int = 1024, durations: tuple[str, ...] = ()
+        self, marks: tuple[str, ...], size: int = RING_STEPS, durations: tuple[str, ...] = ()
     ) -> None:
         self.marks = marks
         self.index = {name: i for i, name in enumerate(marks)}
@@ -112,11 +118,14 @@ class StepTimeline:
         window = int(np.sum(~np.isnan(t[:, 0])))
         return TimelineSummary(self.steps, window, cpu_s, gaps, period_ms, kinds, means)
 
-    def _means(self, measured: np.ndarray) -> dict[str, float]:
-        """The mean of each duration over the rows of `measured` that have it."""
+    def _means(
+        self, measured: np.ndarray, average: Callable[[np.ndarray], Any] = np.nanmean
+    ) -> dict[str, float]:
+        """The mean (or another `average`) of each duration over the rows of `measured` that
+        have it."""
         means = {}
         for i, name in enumerate(self.durations):
-            mean = np.nanmean(measured[:, i]) if len(measured) else np.nan
+            mean = average(measured[:, i]) if len(measured) else np.nan
             if not np.isnan(mean):
                 means[name] = round(float(mean), 4)
         return means
@@ -149,5 +158,6 @@ class StepTimeline:
                     self._gaps(t[rows]),
                     self._means(measured[rows]),
                     _spread(periods[rows]),
+                    self._means(measured[rows], np.nanmedian),
                 )
         return out

@@ -589,6 +589,16 @@ def test_shares_over_the_load_window() -> None:
     timeline = serving.window_figures(before, after)["timeline"]
     assert timeline["tokenizer_requests"] == {"window_steps": 9}
     assert set(timeline["tokenizer_requests_by_worker"]) == {"0", "1", "2"}
+    assert figures["timeline_kept"] == {}  # no step counts: nothing to say
+    # A ring the window outgrew: the runner began 4,000 steps in it and kept 1,024.
+    before["runner"]["timeline"] |= {"steps": 1000}
+    after["runner"]["timeline"] |= {"steps": 5000, "window_steps": 1024}
+    before["scheduler"]["timeline"] |= {"steps": 10}
+    after["scheduler"]["timeline"] |= {"steps": 30, "window_steps": 20}
+    assert serving.window_figures(before, after)["timeline_kept"] == {
+        "scheduler": 1.0,
+        "runner": 0.256,
+    }
     del before["runner"]["graph_pool"]  # a server that does not report it: no figure
     assert serving.window_figures(before, after)["captures_in_window"] is None
     assert serving.window_figures(before, after)["captured_in_window"] is None
@@ -645,6 +655,17 @@ def test_table_rows_read_the_timeline_of_new_and_older_results() -> None:
         row = serving.table_row({"timeline": {"scheduler": scheduler}})
         assert (row["decode_bs"], row["extend_steps"], row["extend_share"]) == (7.5, 4, 25.0)
         assert row["ceiling_tok_s"] is None and row["steady_output_throughput"] is None
+        assert row["server_step_ms"] is None and row["steps_kept"] is None
+    # The server's step: the device's period where the runner measured it, its loop turns
+    # beside it; without the device's, the turns' median.
+    kinds["decode"]["periods_ms"] = {"p10": 1.0, "p50": 2.2, "p90": 2.4}
+    runner = {"kinds": {"decode": {"medians_ms": {"device_period": 1.6, "device_busy": 1.59}}}}
+    row = serving.table_row(
+        {"timeline": {"scheduler": {"kinds": kinds}, "runner": runner}, "timeline_kept": {"a": 1}}
+    )
+    assert (row["server_step_ms"], row["turn_p10_ms"], row["turn_p50_ms"]) == (1.6, 1.0, 2.2)
+    assert row["steps_kept"] == 1
+    assert serving.table_row({"timeline": {"scheduler": {"kinds": kinds}}})["server_step_ms"] == 2.2
 
 
 def test_runner_ceiling_arithmetic() -> None:

@@ -120,6 +120,7 @@ def test_durations_are_averaged_over_the_window_and_per_kind() -> None:
     assert summary.means_ms == {"busy": 1.75, "idle": round(2.8 / 3, 4)}
     assert summary.kinds["decode"].means_ms == {"busy": round(4 / 3, 4), "idle": 0.4}
     assert summary.kinds["extend"].means_ms == {"busy": 3.0, "idle": 2.0}
+    assert summary.kinds["decode"].medians_ms == {"busy": 1.0, "idle": 0.4}
     assert timeline.summary(time.perf_counter()).means_ms == {}
     plain = StepTimeline(("start", "done"))
     plain.begin()
@@ -158,3 +159,4 @@ def test_device_clock_splits_a_step_into_busy_and_idle() -> None:
         time.sleep(0.05)
     assert set(steps[0]) == {"device_busy"} and steps[0]["device_busy"] > 0.1
     assert steps[1]["device_busy"] > 0.1 and steps[1]["device_idle"] >= 45.0
+    assert steps[1]["device_period"] == steps[1]["device_busy"] + steps[1]["device_idle"]

@@ -60,9 +60,14 @@ both ends. Over that window:
   `client_cpu_busy` the client processes' together,
   `client_cpu_busy_max` the busiest one's (near 1: the load measured the client);
 - `timeline`: each process's step timeline over the steps begun in the window (of a window of
-  more steps than a timeline keeps, 1024, the last); `decode bs` is the scheduler's mean decode
+  more steps than a timeline keeps, 16,384, the last: `timeline_kept`, the `steps kept`
+  column, says what share each kept); `decode bs` is the scheduler's mean decode
   batch (`kinds.decode.requests_mean`), `extend steps` and `extend time %` its prefill steps
-  and their share of the step time; `tokenizer_requests_by_worker` each tokenizer worker's
+  and their share of the step time; `step ms` the median period of a decode step on the
+  device (the runner's CUDA events, `kinds.decode.medians_ms.device_period`), and `turn p50`
+  (p10, p90) the scheduler's loop turns that launched a decode: with steps in flight a turn
+  is not a step's period (results queued behind one another arrive in pairs, so turns
+  alternate between waiting and not); `tokenizer_requests_by_worker` each tokenizer worker's
   requests begun in the window, as a timeline of their marks (arrived, sent to the
   scheduler, first token back, finished), and `tokenizer_requests` the one of the worker that
   served the most, whose `sent_to_first_token` median is the `TTFT in server` column: the
@@ -815,6 +820,18 @@ def tokenizer_workers_cpu_s(info: dict[str, Any]) -> dict[str, float]:
     return dict(info["tokenizer"].get("workers_cpu_s") or {})
 
 
+def timeline_kept(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Per process, the share of the steps it began in the window that its timeline kept
+    for `after`'s summary (a ring: 1 unless the window outgrew it)."""
+    kept = {}
+    for proc in PROCESSES:
+        first, last = before[proc].get("timeline") or {}, after[proc].get("timeline") or {}
+        begun = last.get("steps", 0) - first.get("steps", 0)
+        if begun > 0 and "window_steps" in last:
+            kept[proc] = round(min(1.0, last["window_steps"] / begun), 3)
+    return kept
+
+
 def window_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What the server did in a load window, from its info at the window's opening and
     closing (`after` taken with `timeline_since` the opening's clock): per process, its step
@@ -839,6 +856,7 @@ def window_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
     }
     busiest = max(by_worker.values(), key=lambda r: (r or {}).get("window_steps", 0))
     return {
+        "timeline_kept": timeline_kept(before, after),
         "server_window_s": round(wall, 3),
         "timeline": {
             **{proc: after[proc].get("timeline") for proc in PROCESSES},
@@ -1274,15 +1292,21 @@ TABLE = [
     # Where the time went: the server's decode batch, its extend (prefill) steps and their
     # share of the run, and whether a process (or this client) was on a CPU all along.
     ("decode bs", "decode_bs"),
-    # The server's decode step (its scheduler's decode periods: median, p10, p90) against the
-    # runner's alone at that batch (the ceiling's), and what the device did per decode step:
-    # busy, and idle waiting for the host (the runner's CUDA events; means).
+    # The server's decode step: its period on the device (the runner's CUDA events, from the
+    # previous step's end to its own; median), against the runner's alone at that batch (the
+    # ceiling's); what the device did per decode step, busy and idle waiting for the host
+    # (means); and the scheduler's loop turns that launched a decode (median, p10, p90): with
+    # steps in flight a turn is not a step (results queued behind one another come in pairs).
     ("step ms", "server_step_ms"),
-    ("step p10", "server_step_p10_ms"),
-    ("step p90", "server_step_p90_ms"),
     ("runner step ms", "runner_step_ms"),
     ("device busy ms", "device_busy_ms"),
     ("device idle ms", "device_idle_ms"),
+    ("turn p50", "turn_p50_ms"),
+    ("turn p10", "turn_p10_ms"),
+    ("turn p90", "turn_p90_ms"),
+    # The share of the window's steps the timelines kept (below 1, the figures above describe
+    # the window's end only).
+    ("steps kept", "steps_kept"),
     ("extend steps", "extend_steps"),
     ("extend time %", "extend_share"),
     ("CPU sched", "cpu_scheduler"),
@@ -1299,9 +1323,11 @@ def table_row(run: dict[str, Any]) -> dict[str, Any]:
     """A run's row of the printed table (latencies in ms); the figures an older results file
     lacks are left empty."""
     sched = (run.get("timeline") or {}).get("scheduler")
-    device = step_kind((run.get("timeline") or {}).get("runner"), "decode").get("means_ms") or {}
+    runner_decode = step_kind((run.get("timeline") or {}).get("runner"), "decode")
+    device = runner_decode.get("means_ms") or {}
     request_gaps = ((run.get("timeline") or {}).get("tokenizer_requests") or {}).get("gaps_ms")
     extend, decode = step_kind(sched, "extend"), step_kind(sched, "decode")
+    turns = decode.get("periods_ms") or {}
     total = extend.get("ms_total", 0.0) + decode.get("ms_total", 0.0)
     steady = run.get("steady") or {}
     return {
@@ -1313,16 +1339,18 @@ def table_row(run: dict[str, Any]) -> dict[str, Any]:
         "steady_tpot_p50": (steady.get("tpot_ms") or {}).get("p50"),
         "server_first_token_p50": (request_gaps or {}).get("sent_to_first_token"),
         "decode_bs": decode.get("requests_mean"),
-        # The decode steps' own median period where the timeline has it (older files: all
-        # steps'), and their spread.
-        "server_step_ms": (decode.get("periods_ms") or {}).get(
-            "p50", (sched or {}).get("period_ms")
+        # The device's period where the runner measured it; otherwise (off CUDA, older files)
+        # the scheduler's decode turns' median, or all its turns'.
+        "server_step_ms": (runner_decode.get("medians_ms") or {}).get(
+            "device_period", turns.get("p50", (sched or {}).get("period_ms"))
         ),
-        "server_step_p10_ms": (decode.get("periods_ms") or {}).get("p10"),
-        "server_step_p90_ms": (decode.get("periods_ms") or {}).get("p90"),
         "runner_step_ms": (run.get("runner_ceiling") or {}).get("decode_ms"),
         "device_busy_ms": device.get("device_busy"),
         "device_idle_ms": device.get("device_idle"),
+        "turn_p50_ms": turns.get("p50"),
+        "turn_p10_ms": turns.get("p10"),
+        "turn_p90_ms": turns.get("p90"),
+        "steps_kept": min(run.get("timeline_kept", {}).values(), default=None),
         "extend_steps": extend.get("steps"),
         "extend_share": round(100 * extend.get("ms_total", 0.0) / total, 1) if total else None,
         **{f"cpu_{proc}": share for proc, share in (run.get("cpu_busy") or {}).items()},

@@ -171,6 +171,9 @@ class StepKindSummary:
     # Their periods (start to the next step's start): p10, p50 and p90, where a median of all
     # steps hides an uneven rhythm of short and long turns.
     periods_ms: dict[str, float] = field(default_factory=dict)
+    # Their durations' medians: the device's usual step beside its mean, which a few long or
+    # short steps move (a host turn's rhythm against the device's own).
+    medians_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,10 @@ class RunnerLoop:
         )
         self.busy_s = args.busy_poll_s(device_type)
         # Per step: plan received, launched (on CUDA, queued on the device), result sent; and
-        # the device's busy and idle milliseconds (CUDA).
+        # the device's busy and idle milliseconds and their sum, its period (CUDA).
         self.timeline = StepTimeline(
-            ("received", "launched", "result_sent"), durations=("device_busy", "device_idle")
+            ("received", "launched", "result_sent"),
+            durations=("device_busy", "device_idle", "device_period"),
         )
         self.clock = DeviceClock(self.runner.device)
         self.profiler = RunnerProfiler(self.runner.device)  # on request only
