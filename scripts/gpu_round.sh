@@ -39,7 +39,8 @@
 #                        nographs, prefill captured (prefill-full) or not (prefill-off), and
 #                        captured with mixed steps (mixed), N tokenizer workers (twN), an
 #                        output every N tokens (siN), polling N ms before sleeping (bpN),
-#                        every bucket captured before ready (upfront);
+#                        every bucket captured before ready (upfront), FlashInfer's
+#                        attention (flashinfer);
 #                        SERVING_VARIANTS overrides; SERVING_BENCH_FLAGS go to the bench
 #                        (e.g. "--no-warmup" with SERVING_CONCURRENCY="1 128 1": concurrency
 #                        1 on a fresh KV pool, then after 1,024 requests at 128)
@@ -218,6 +219,7 @@ serving() {  # decode full with overlap (the default), and the variants that mov
       [[ $variant == si* ]] && flags+=(--stream-interval "${variant#si}")
       [[ $variant == bp* ]] && flags+=(--busy-poll-ms "${variant#bp}")  # bp0: sleep at once
       [ $variant = upfront ] && flags+=(--cuda-graph-capture upfront)  # every bucket before ready
+      [ $variant = flashinfer ] && flags+=(--attention-backend flashinfer)
       local name="serving-$shape-$variant-${in_len}x${out_len}"
       # The bench's request counts (1,024 where more than 16 are in flight), its warm-up
       # bursts, and one_batch with the same flags for the ceiling before the server starts.

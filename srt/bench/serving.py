@@ -821,10 +821,11 @@ def tokenizer_workers_cpu_s(info: dict[str, Any]) -> dict[str, float]:
 
 
 def timeline_kept(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
-    """Per process, the share of the steps it began in the window that its timeline kept
-    for `after`'s summary (a ring: 1 unless the window outgrew it)."""
+    """Per step process (scheduler, runner), the share of the steps it began in the window
+    that its timeline kept for `after`'s summary (a ring: 1 unless the window outgrew it).
+    Not the tokenizer's: with several workers, two answers may come from two of them."""
     kept = {}
-    for proc in PROCESSES:
+    for proc in ("scheduler", "runner"):
         first, last = before[proc].get("timeline") or {}, after[proc].get("timeline") or {}
         begun = last.get("steps", 0) - first.get("steps", 0)
         if begun > 0 and "window_steps" in last:
