@@ -25,7 +25,8 @@
 #                        empty HF_METHODS runs none;
 #                        RUNNER_INPUT_LEN the prompt, default 128, into runner-SHAPE-ctxN;
 #                        RUNNER_BASELINE configs run again from the tree in .baseline)
-#   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list), each
+#   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list; with
+#                        COLD_START_EXTRA="NAME=FLAGS" one more configuration), each
 #                        on every backend of COLD_START_ATTENTION where it is set (e.g.
 #                        "triton flashinfer": both backends' cold and warm starts, compared)
 #   frontend             srt.bench.frontend: the main process alone at a FRONTEND_STEP_MS step
@@ -35,7 +36,8 @@
 #                        others; SERVING_CONCURRENCY overrides), each run against the runner
 #                        ceiling one_batch measures first with the same flags, for 128 prompt
 #                        tokens and 256 new, and 1,024 and 128 (SERVING_LENS="IN:OUT ..."):
-#                        the defaults (full), overlap one step deep (depth1), no overlap,
+#                        the defaults (full), overlap N steps deep (depthN: depth1, depth3),
+#                        no overlap,
 #                        nographs, prefill captured (prefill-full) or not (prefill-off), and
 #                        captured with mixed steps (mixed), N tokenizer workers (twN), an
 #                        output every N tokens (siN), polling N ms before sleeping (bpN),
@@ -183,8 +185,11 @@ cold_start() {
   checkpoint "$shape"
   rm -rf "$work/cold-$shape"
   # shellcheck disable=SC2086
+  # COLD_START_EXTRA: one more configuration, NAME=FLAGS (e.g. the defaults with a flag changed)
+  local extra=()
+  [ -n "${COLD_START_EXTRA:-}" ] && extra=(--config "$COLD_START_EXTRA")
   step "cold_start-$shape" python3 -m srt.bench.cold_start --model-path "$CKPT" \
-    --configs $configs "${backends[@]}" --cache-root "$work/cold-$shape" \
+    --configs $configs "${extra[@]}" "${backends[@]}" --cache-root "$work/cold-$shape" \
     --output-file "$out/cold_start-$shape.json" --plot "$out/cold_start-$shape.png"
 }
 
@@ -207,7 +212,8 @@ serving() {  # decode full with overlap (the default), and the variants that mov
     local in_len=${lens%:*} out_len=${lens#*:}
     for variant in ${SERVING_VARIANTS:-full depth1 no-overlap nographs prefill-full mixed}; do
       local flags=(--cuda-graph-backend-decode full)
-      [ $variant = depth1 ] && flags+=(--overlap-depth 1)  # one step ahead, not two
+      # depthN: N steps ahead (the default is 2); depth1 one, depth3 more slack for the host
+      [[ $variant == depth* ]] && flags+=(--overlap-depth "${variant#depth}")
       [ $variant = no-overlap ] && flags+=(--disable-overlap-schedule)
       [ $variant = nographs ] && flags=(--disable-cuda-graph)
       # Prefill captured per token bucket too; and decodes riding along in prefill steps.

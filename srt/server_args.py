@@ -159,6 +159,12 @@ class ServerArgs:
         "(e.g. none +rms_norm, or all,-rotary_embedding). Default: kernels, but the PyTorch "
         "reference inside graphs Inductor compiles (docs/compilation.md lists the ops).",
     )
+    compile_threads: int | None = _opt(
+        None,
+        "Threads that compile the warm-up's Triton kernels side by side before it runs (the "
+        "forward run once with every Triton launch turned into a compile); default one per "
+        "usable CPU, 0 to compile each kernel at its first launch, one after another.",
+    )
     skip_warmup: bool = _opt(
         False,
         "Skip the model runner's warm-up before ready (dummy prefill steps, from scratch and "
@@ -245,6 +251,12 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ServerArgsError(name, f"must be a positive integer, got {value!r}")
+        if self.compile_threads is not None and not (
+            isinstance(self.compile_threads, int) and self.compile_threads >= 0
+        ):
+            raise ServerArgsError(
+                "compile_threads", f"must be a non-negative integer, got {self.compile_threads!r}"
+            )
         if self.busy_poll_ms is not None and not (
             isinstance(self.busy_poll_ms, int | float) and 0 <= self.busy_poll_ms <= 10_000
         ):

@@ -797,6 +797,7 @@ def test_startup_breakdown(server: ServerProcess, tiny_llama: Path) -> None:
             "graph_load_s",
             "inductor_s",
             "flashinfer_jit_s",
+            "compile_ahead_s",
             "warmup_s",
             "capture_s",
             "other_s",

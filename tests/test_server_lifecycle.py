@@ -262,6 +262,10 @@ def _launch(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess
         (["--max-running-requests", "0"], "argument --max-running-requests: must be a positive"),
         (["--port", "70000"], "argument --port: must be in [1, 65535], got 70000"),
         (["--busy-poll-ms", "-1"], "argument --busy-poll-ms: must be in [0, 10000] ms, got -1"),
+        (
+            ["--compile-threads", "-2"],
+            "argument --compile-threads: must be a non-negative integer, got -2",
+        ),
         (["--port", "0"], "argument --port: must be in [1, 65535], got 0"),
         (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
         (["--device", "tpu"], "argument --device: must be cpu, cuda or auto, got 'tpu'"),

@@ -73,6 +73,13 @@ def test_warmup_runs_before_ready_and_leaves_no_trace(
         assert sched["kv_slots_free"] == sched["kv_slots_total"] == eng.runner.num_slots - 1
 
 
+def test_kernels_compile_ahead_on_cuda_only(tiny_llama: Path, tmp_path: Path) -> None:
+    """Off CUDA no Triton kernel runs, so none compiles ahead: the info says it did not run."""
+    with make_engine(tiny_llama, tmp_path) as eng:
+        info = eng.get_server_info()
+        assert info["runner"]["compile_ahead"] is None
+
+
 def test_skip_warmup_runs_nothing(
     tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

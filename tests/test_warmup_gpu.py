@@ -149,3 +149,34 @@ def test_flashinfer_builds_under_the_cache_root_and_a_restart_compiles_none(
     assert warm["builds"]["compiled"] == 0
     assert warm["builds"]["loaded"] == cold["builds"]["compiled"] + cold["builds"]["loaded"]
     assert warm["builds"]["s"] < cold["builds"]["s"]
+
+
+def test_the_warmup_kernels_compile_ahead_and_change_no_id(
+    bf16_llama: Path, tmp_path: Path, fresh_kernels: None
+) -> None:
+    """On an empty compile cache (Triton's disk cache is under it), the warm-up's kernels
+    compile on the pool, none fails, the first request compiles no Triton kernel, and the ids
+    are those of a start that compiles each kernel at its first launch."""
+    prompts = [list(range(3, 3 + n)) for n in (5, 70, 140)]
+    params = [{**GREEDY, "max_new_tokens": 6} for _ in prompts]
+    runs = []
+    for threads in (None, 0):
+        with Engine(
+            model_path=str(bf16_llama),
+            device="cuda",
+            attention_backend="triton",
+            compile_cache_dir=str(tmp_path / f"cache-{threads}"),
+            max_total_tokens=4096,
+            compile_threads=threads,
+        ) as eng:
+            outs = eng.generate(input_ids=prompts, sampling_params=params)
+            info = eng.get_server_info()["runner"]
+        runs.append([o["output_ids"] for o in outs])
+        if threads is None:
+            ahead = info["compile_ahead"]
+            assert ahead["kernels"] > 0 and ahead["failed"] == 0 and ahead["threads"] > 0
+            triton_misses = [m for m in info["jit_misses"]["listed"] if "triton" in m["what"]]
+            assert not triton_misses, triton_misses
+        else:
+            assert info["compile_ahead"] is None
+    assert runs[0] == runs[1]

@@ -259,6 +259,7 @@ def measure_start(
             },
             "graph_pool": runner.get("graph_pool"),
             "flashinfer_jit": runner.get("flashinfer_jit"),  # modules compiled, loaded, s
+            "compile_ahead": runner.get("compile_ahead"),  # threads, kernels, failed, s
             "graphs": after.get("graphs"),
             "requests": len(traffic.records),
             "errors": len(errors),
@@ -387,6 +388,7 @@ PARTS_TABLE = [
     ("dynamo", "model_runner_dynamo_s"),
     ("inductor", "model_runner_inductor_s"),
     ("flashinfer JIT", "model_runner_flashinfer_jit_s"),
+    ("compile ahead", "model_runner_compile_ahead_s"),
     ("warm-up", "model_runner_warmup_s"),
     ("capture", "model_runner_capture_s"),
     ("runner other", "model_runner_other_s"),

@@ -23,6 +23,8 @@ a light one (`compile_info`, `private_files`) does not pay for torch and Dynamo.
 - `bucket_manifest`: `BucketManifest`, the buckets an entry has seen, per phase.
 - `private_files`: private directories and atomic writes (0700 / 0600), locks across processes.
 - `errors`: `CompilationError` and what fails the trace-once contract.
+- `triton_ahead`: `compile_ahead`, Triton kernels compiled side by side on a thread pool from
+  a forward whose launches it turns into compiles (the warm-up's, before it runs).
 
 Design and how to read the logs: docs/compilation.md.
 """

@@ -124,6 +124,19 @@ class JitBuildsInfo:
 
 
 @dataclass(frozen=True)
+class CompileAheadInfo:
+    """The warm-up's Triton kernels compiled side by side before it ran them
+    (`srt.compilation.triton_ahead`): on how many threads, how many specialisations (compiled,
+    or loaded from Triton's disk cache), how many failed (compiled again at their launch), and
+    the seconds (in the warm-up, whose part of the startup breakdown leaves them out)."""
+
+    threads: int
+    kernels: int
+    failed: int
+    s: float
+
+
+@dataclass(frozen=True)
 class RankInfo:
     rank: int
     pid: int
@@ -148,9 +161,10 @@ class RunnerInfo:
     load_gb_s: float | None  # load_bytes / load_s, in GB (1e9 bytes) a second; None: dummy
     custom_ops_s: float  # the layer kernels' selection and import
     kv_alloc_s: float
-    warmup_s: float  # FlashInfer's JIT builds left out (flashinfer_jit)
+    warmup_s: float  # FlashInfer's JIT builds and the compile ahead left out
     capture_s: float  # captures before ready (upfront, manifest), the same
     flashinfer_jit: JitBuildsInfo
+    compile_ahead: CompileAheadInfo | None  # None: not run (off CUDA, flag, backend)
     jit_misses: JitMissesInfo
     graph_pool: GraphPoolInfo
     compile: CompileInfo  # the piecewise compile (zeros when no phase compiles)

@@ -23,6 +23,7 @@ from srt import flashinfer_support
 from srt.compilation.cache_root import default_cache_root, open_cache_root, point_tool_caches
 from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
+from srt.compilation.triton_ahead import compile_ahead
 from srt.distributed import (
     broadcast_object,
     destroy_tp,
@@ -33,7 +34,7 @@ from srt.distributed import (
 )
 from srt.forward_batch import ForwardBatch
 from srt.ipc.messages import BatchPlan, BatchResult
-from srt.ipc.reports import RankInfo, RunnerInfo
+from srt.ipc.reports import CompileAheadInfo, RankInfo, RunnerInfo
 from srt.layers.attention.registry import attention_backend_class
 from srt.layers.custom_op import custom_ops_info
 from srt.layers.linear import warm_skinny_matmuls
@@ -55,7 +56,7 @@ from srt.model_executor.runner_setup import (
 from srt.model_executor.sampling import PendingResult, next_token_ids, step_result
 from srt.model_executor.step_inputs import upload_step
 from srt.model_executor.warmup import WARMUP_ROW, warmup_plans
-from srt.server_args import ServerArgs
+from srt.server_args import ServerArgs, usable_cpus
 from srt.tp_rank import TPRank
 
 logger = logging.getLogger(__name__)
@@ -119,13 +120,15 @@ class ModelRunner:
         )
         self._build_graphs()
         install_hooks()  # FlashInfer's module builds in the warm-up and captures, timed
+        self.compile_ahead: CompileAheadInfo | None = None  # the warm-up's, if it runs
         start = dataclasses.replace(flashinfer_builds)
         warmup_s = 0.0 if args.skip_warmup else self._warm_up()
         warmed = dataclasses.replace(flashinfer_builds)
         capture_s = self._prewarm()
         # FlashInfer's builds as a part of the startup of their own, out of the two above.
         self.flashinfer_jit = flashinfer_builds.since(start)
-        self.warmup_s = warmup_s - warmed.since(start).s
+        ahead_s = self.compile_ahead.s if self.compile_ahead is not None else 0.0
+        self.warmup_s = warmup_s - warmed.since(start).s - ahead_s
         self.capture_s = capture_s - flashinfer_builds.since(warmed).s
         if self.flashinfer_jit.compiled or self.flashinfer_jit.loaded:
             logger.info(
@@ -227,6 +230,7 @@ class ModelRunner:
             torch.inference_mode(),
             torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []),
         ):
+            self._compile_ahead(plans)
             for plan in plans:
                 runner = self.phase_runners[plan.mode]
                 batch, logits = runner.run_general(plan)
@@ -245,6 +249,41 @@ class ModelRunner:
             seconds,
         )
         return seconds
+
+    def _compile_ahead(self, plans: list[BatchPlan]) -> None:
+        """Compile the Triton kernels the warm-up launches side by side before it runs them:
+        its forwards and skinny launches once with every Triton launch a compile on a pool
+        (`srt.compilation.triton_ahead`; what they return is discarded). On CUDA only, where
+        the attention backend allows it and `--compile-threads` is not 0. If it fails, the
+        warm-up compiles each kernel at its first launch, as without it."""
+        threads = self.args.compile_threads
+        threads = usable_cpus() if threads is None else threads
+        if self.device.type != "cuda" or threads == 0 or not self.attn_backend.compiles_ahead:
+            return
+        try:
+            with compile_ahead(self.device, threads) as ahead:
+                for plan in plans:
+                    self.phase_runners[plan.mode].run_general(plan)
+                warm_skinny_matmuls(self.model)
+        except Exception as e:
+            logger.warning(
+                "compiling the warm-up's kernels ahead failed (%s: %s): each compiles at its "
+                "first launch",
+                type(e).__name__,
+                e,
+            )
+            return
+        self.compile_ahead = CompileAheadInfo(
+            threads, ahead.kernels, ahead.failed, round(ahead.seconds, 3)
+        )
+        failed = f", {ahead.failed} failed (compiled again at their launch)" if ahead.failed else ""
+        logger.info(
+            "compiled ahead: %d Triton kernel specialisation(s) on %d thread(s) in %.2f s%s",
+            ahead.kernels,
+            threads,
+            ahead.seconds,
+            failed,
+        )
 
     def _prewarm(self) -> float:
         """Capture before serving: every bucket (`upfront`) or those the manifest recorded
@@ -334,6 +373,7 @@ class ModelRunner:
             warmup_s=round(self.warmup_s, 3),
             capture_s=round(self.capture_s, 3),
             flashinfer_jit=self.flashinfer_jit,
+            compile_ahead=self.compile_ahead,
             jit_misses=self.jit_misses.info(),
             graph_pool=self.graph_pool.info(),
             compile=self.piecewise.info()

@@ -125,6 +125,7 @@ NOT_IN_COMPILE_KEY: dict[str, str] = {
     "enable_mixed_chunk": _SCHEDULER,
     "compile_cache_dir": "where the cache is",
     "skip_warmup": "whether a warm-up runs before ready, not what it runs",
+    "compile_threads": "how many threads compile the warm-up's kernels, not what they compile",
     "host": _SERVER,
     "port": _SERVER,
     "api_key": _SERVER,

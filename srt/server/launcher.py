@@ -379,6 +379,8 @@ def runner_parts(info: RunnerInfo) -> dict[str, float]:
         "graph_load_s": compiled.graph_load_s,  # the saved trace, on a warm start
         "inductor_s": compiled.compile_s,
         "flashinfer_jit_s": info.flashinfer_jit.s,  # its modules' builds, before ready
+        # The warm-up's kernels compiled side by side, before it ran them.
+        "compile_ahead_s": info.compile_ahead.s if info.compile_ahead is not None else 0.0,
         "warmup_s": info.warmup_s,
         "capture_s": info.capture_s,
     }

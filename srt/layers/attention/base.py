@@ -40,6 +40,10 @@ class AttentionBackend(ABC):
     # Whether `write_kv` may use its Triton kernel: not for the reference backend, whose
     # writes stay plain PyTorch so that it checks the kernels, that one included.
     kv_write_kernel = True
+    # Whether a forward whose Triton launches are skipped (`srt.compilation.triton_ahead`: the
+    # warm-up's kernels compiled side by side first) is safe to run: none of the backend's
+    # other kernels reads what a Triton kernel would have written as an index or a size.
+    compiles_ahead = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads

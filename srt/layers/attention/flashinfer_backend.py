@@ -226,6 +226,9 @@ class GraphBuffers:
 
 class FlashInferBackend(AttentionBackend):
     graph_modes = frozenset({ForwardMode.DECODE})
+    # Its kernels read the KV slots a Triton kernel gathers (`kv_indices`): with that launch
+    # skipped they would read whatever the memory held, out of bounds.
+    compiles_ahead = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)

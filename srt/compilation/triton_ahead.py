@@ -1,0 +1,116 @@
+"""Triton's kernels compiled side by side: a forward run once with every Triton launch turned
+into a compile on a thread pool, before the forward that needs them runs.
+
+On an empty cache each kernel specialisation the warm-up launches compiles when it is first
+launched, one after another on the start's critical path (r12d's 1B start: a 4.9 s warm-up
+against 0.7 s warm). What a launch compiles is known only at the launch (its dtypes,
+constexprs, which integer arguments are 1 or multiples of 16), so it is learned by launching:
+`compile_ahead` installs Triton's `jit_cache_hook`, which Triton calls before compiling a
+specialisation its kernel's in-memory cache lacks. The hook hands the specialisation, in
+Triton's own serialised form, to a pool that compiles it (`JITFunction.preload`, which also
+loads what Triton's disk cache has), and returns True, which tells Triton to compile and launch
+nothing. The pool compiles into a copy of the kernel's caches, so that no launch inside the
+block finds a kernel compiled meanwhile and runs it; leaving the context waits for the pool and
+puts each compiled kernel into its kernel's cache, and the real forward after it compiles
+nothing. Compiles spend their time in
+LLVM and ptxas, outside the GIL, so threads suffice.
+
+The forward run under it launches no Triton kernel, so what those kernels would have written
+is whatever the memory held: run only a forward whose other kernels read no Triton output as
+an index or a size (the model runner asks its attention backend, `compiles_ahead`), and
+discard what it returns. A failed compile is logged and left to the real launch, which compiles
+it again and raises where it belongs.
+"""
+
+from __future__ import annotations
+
+import copy as pycopy
+import dataclasses
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class AheadReport:
+    """What a `compile_ahead` block compiled: filled in when it ends."""
+
+    threads: int
+    kernels: int = 0  # distinct specialisations seen (compiled, or loaded from the disk cache)
+    failed: int = 0
+    seconds: float = 0.0  # from entering the block to the last compile's end
+
+
+class _Launches:
+    """The hook: each specialisation a launch asks for, once, to the pool."""
+
+    def __init__(self, pool: ThreadPoolExecutor, previous: Any) -> None:
+        self.pool = pool
+        self.previous = previous  # a hook installed before (srt's JIT miss timer), chained
+        self.lock = threading.Lock()
+        self.seen: set[tuple[int, str]] = set()
+        self.futures: list[tuple[str, Future[Any]]] = []
+
+    def __call__(self, **kwargs: Any) -> bool | None:
+        if kwargs["is_manual_warmup"]:  # the pool's own compile (preload): let it run
+            return self.previous(**kwargs) if self.previous is not None else None
+        fn = kwargs["fn"].jit_function
+        with self.lock:
+            if (id(fn), kwargs["key"]) not in self.seen:
+                self.seen.add((id(fn), kwargs["key"]))
+                spec = kwargs["compile"]["specialization_data"]
+                self.futures.append((kwargs["repr"], self.pool.submit(_compile, fn, spec)))
+        return True  # compile nothing and launch nothing now
+
+
+def _compile(fn: Any, spec: str) -> tuple[Any, dict[Any, Any]]:
+    """Compile `spec` of JIT function `fn` into caches of a copy of it: (fn, those caches)."""
+    copy = pycopy.copy(fn)
+    copy.device_caches = defaultdict(copy.create_binder)
+    copy.preload(spec)
+    return fn, copy.device_caches
+
+
+@contextmanager
+def compile_ahead(device: torch.device, threads: int) -> Iterator[AheadReport]:
+    """Inside: every Triton launch on `device` becomes a compile on `threads` threads, and
+    launches nothing (see the module docstring). On leaving, wait for them all."""
+    from triton import knobs
+
+    start = time.perf_counter()
+    report = AheadReport(threads)
+
+    # The pool's threads compile for `device` (Triton's kernel caches are per device).
+    def on_device() -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+
+    pool = ThreadPoolExecutor(threads, "triton-ahead", on_device)
+    runtime = knobs.runtime
+    launches = _Launches(pool, runtime.jit_cache_hook)
+    runtime.jit_cache_hook = launches
+    try:
+        yield report
+    finally:
+        runtime.jit_cache_hook = launches.previous
+        for what, future in launches.futures:
+            try:
+                fn, caches = future.result()
+            except Exception as e:  # the real launch compiles it again, and raises there
+                report.failed += 1
+                logger.warning("compile ahead of %s failed: %s: %s", what, type(e).__name__, e)
+                continue
+            for device_key, (kernels, *_) in caches.items():
+                fn.device_caches[device_key][0].update(kernels)
+        pool.shutdown()
+        report.kernels = len(launches.futures)
+        report.seconds = time.perf_counter() - start

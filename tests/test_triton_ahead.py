@@ -1,0 +1,146 @@
+"""Triton kernels compiled ahead on a pool (`srt.compilation.triton_ahead`), on a machine
+without a GPU: Triton's real JIT, with its active driver replaced by one that knows only its
+target (the H200's sm_90), launches nothing. Under `compile_ahead` a launch compiles on the
+pool and launches nothing; after it, every specialisation seen is in the kernel's cache, and
+its cubin is the one a compile one kernel at a time makes.
+
+Each check runs in a process of its own without Triton's interpreter: an interpreted launch
+(the other CPU tests run them) patches `triton.language` for good in its process, after which
+the compiler cannot build a kernel there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+def _scale(X, Y, n, BLOCK: tl.constexpr, SCALE: tl.constexpr):  # type: ignore[no-untyped-def]
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n)
+    tl.store(Y + offs, x * SCALE, mask=offs < n)
+
+
+class _TargetOnly:
+    """A driver that names the H200's target and nothing more: nothing can launch."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+@contextmanager
+def _no_gpu() -> Iterator[tuple[Any, Path]]:
+    """The compiler's JIT function of `_scale` (made by hand: `triton.jit` makes the
+    interpreter's under TRITON_INTERPRET), on the target-only driver, with a fresh disk cache."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(_TargetOnly())
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TRITON_CACHE_DIR"] = str(Path(tmp) / "ahead")
+        yield JITFunction(_scale), Path(tmp)
+
+
+def _launch(kernel: Any, scale: float, n: int = 100, block: int = 128) -> Any:
+    x = torch.zeros(n, dtype=torch.float16)
+    return kernel[(1,)](x, torch.empty_like(x), n, BLOCK=block, SCALE=scale)
+
+
+def _cached(kernel: Any) -> dict[str, Any]:
+    return dict(kernel.device_caches[0][0])
+
+
+def check_launches_compile_on_the_pool_and_launch_nothing() -> None:
+    from triton import knobs
+
+    from srt.compilation.triton_ahead import compile_ahead
+
+    threads: list[str] = []
+
+    def timer(**kwargs: Any) -> None:  # a hook set before (srt's JIT miss timer) sees them
+        threads.append(threading.current_thread().name)
+
+    with _no_gpu() as (kernel, _):
+        knobs.runtime.jit_cache_hook = timer
+        with compile_ahead(CPU, 4) as report:
+            for scale in (2.0, 3.0, 4.0, 2.0):  # the repeat compiles once
+                assert _launch(kernel, scale) is None  # nothing launched
+        assert knobs.runtime.jit_cache_hook is timer  # put back
+        assert (report.kernels, report.failed, report.threads) == (3, 0, 4), report
+        assert len(threads) == 3 and all(name.startswith("triton-ahead") for name in threads)
+        assert len(_cached(kernel)) == 3  # each in the kernel's cache: its launch compiles none
+
+
+def check_the_pool_compiles_the_kernels_a_sequential_compile_makes() -> None:
+    from srt.compilation.triton_ahead import compile_ahead
+
+    with _no_gpu() as (kernel, tmp):
+        with compile_ahead(CPU, 3):
+            for scale in (2.0, 3.0, 5.0):
+                _launch(kernel, scale)
+        ahead = {key: k.asm["cubin"] for key, k in _cached(kernel).items()}
+        # One at a time, into a cache of its own (or it would load the pool's files).
+        os.environ["TRITON_CACHE_DIR"] = str(tmp / "sequential")
+        kernel.device_caches.clear()
+        for scale in (2.0, 3.0, 5.0):
+            x = torch.zeros(100, dtype=torch.float16)
+            kernel.warmup(x, x, 100, BLOCK=128, SCALE=scale, grid=(1,))
+        sequential = {key: k.asm["cubin"] for key, k in _cached(kernel).items()}
+        assert len(ahead) == 3 and ahead == sequential
+
+
+def check_a_failed_compile_is_counted_and_left_to_the_launch() -> None:
+    from srt.compilation.triton_ahead import compile_ahead
+
+    with _no_gpu() as (kernel, _):
+        with compile_ahead(CPU, 2) as report:
+            _launch(kernel, 1.0, n=10, block=100)  # not a power of two: the compiler refuses
+            _launch(kernel, 2.0)
+        assert (report.kernels, report.failed) == (2, 1), report
+        assert len(_cached(kernel)) == 1
+
+
+@pytest.mark.parametrize(
+    "check",
+    [
+        "check_launches_compile_on_the_pool_and_launch_nothing",
+        "check_the_pool_compiles_the_kernels_a_sequential_compile_makes",
+        "check_a_failed_compile_is_counted_and_left_to_the_launch",
+    ],
+)
+def test_compile_ahead(check: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", f"from tests.test_triton_ahead import {check}; {check}()"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
