@@ -11,6 +11,8 @@ the compiler cannot build a kernel there.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -124,12 +126,27 @@ def check_a_failed_compile_is_counted_and_left_to_the_launch() -> None:
         assert len(_cached(kernel)) == 1
 
 
+def check_every_srt_kernel_compiles_ahead(threads: int = 2) -> None:
+    """Every kernel srt launches, through its wrapper (as the compile test exercises them),
+    compiles ahead on `threads` threads, none failing; the report printed as JSON (the last
+    line: `scripts/bench_compile_ahead.py` reads it)."""
+    from srt.compilation.triton_ahead import compile_ahead
+    from tests.test_triton_compile import exercise_kernels
+
+    with _no_gpu():
+        with compile_ahead(CPU, threads) as report:
+            exercise_kernels()
+    assert report.failed == 0 and report.kernels >= 10, report
+    print(json.dumps(dataclasses.asdict(report)))
+
+
 @pytest.mark.parametrize(
     "check",
     [
         "check_launches_compile_on_the_pool_and_launch_nothing",
         "check_the_pool_compiles_the_kernels_a_sequential_compile_makes",
         "check_a_failed_compile_is_counted_and_left_to_the_launch",
+        "check_every_srt_kernel_compiles_ahead",
     ],
 )
 def test_compile_ahead(check: str) -> None:
