@@ -126,6 +126,16 @@ def check_a_failed_compile_is_counted_and_left_to_the_launch() -> None:
         assert len(_cached(kernel)) == 1
 
 
+def check_a_compile_past_the_deadline_is_left_to_the_launch() -> None:
+    from srt.compilation.triton_ahead import compile_ahead
+
+    with _no_gpu() as (kernel, _):
+        with compile_ahead(CPU, 1, wait_s=0.0) as report:
+            _launch(kernel, 2.0)  # a compile takes longer than no time at all
+        assert (report.kernels, report.unfinished, report.failed) == (1, 1, 0), report
+        assert _cached(kernel) == {}  # not merged: its launch compiles it
+
+
 def check_every_srt_kernel_compiles_ahead(threads: int = 2) -> None:
     """Every kernel srt launches, through its wrapper (as the compile test exercises them),
     compiles ahead on `threads` threads, none failing; the report printed as JSON (the last
@@ -146,6 +156,7 @@ def check_every_srt_kernel_compiles_ahead(threads: int = 2) -> None:
         "check_launches_compile_on_the_pool_and_launch_nothing",
         "check_the_pool_compiles_the_kernels_a_sequential_compile_makes",
         "check_a_failed_compile_is_counted_and_left_to_the_launch",
+        "check_a_compile_past_the_deadline_is_left_to_the_launch",
         "check_every_srt_kernel_compiles_ahead",
     ],
 )

@@ -19,7 +19,7 @@ The forward run under it launches no Triton kernel, so what those kernels would 
 is whatever the memory held: run only a forward whose other kernels read no Triton output as
 an index or a size (the model runner asks its attention backend, `compiles_ahead`), and
 discard what it returns. A failed compile is logged and left to the real launch, which compiles
-it again and raises where it belongs.
+it again and raises where it belongs; so is one still running `WAIT_S` after the block ends.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Any
 
@@ -47,6 +48,7 @@ class AheadReport:
     threads: int
     kernels: int = 0  # distinct specialisations seen (compiled, or loaded from the disk cache)
     failed: int = 0
+    unfinished: int = 0  # still compiling at the deadline: left to their launch
     seconds: float = 0.0  # from entering the block to the last compile's end
 
 
@@ -80,10 +82,18 @@ def _compile(fn: Any, spec: str) -> tuple[Any, dict[Any, Any]]:
     return fn, copy.device_caches
 
 
+# How long leaving the block waits for the pool, at most: a compile that hangs must not hold
+# the start (what is unfinished then compiles at its launch, as without the pool).
+WAIT_S = 300.0
+
+
 @contextmanager
-def compile_ahead(device: torch.device, threads: int) -> Iterator[AheadReport]:
+def compile_ahead(
+    device: torch.device, threads: int, wait_s: float = WAIT_S
+) -> Iterator[AheadReport]:
     """Inside: every Triton launch on `device` becomes a compile on `threads` threads, and
-    launches nothing (see the module docstring). On leaving, wait for them all."""
+    launches nothing (see the module docstring). On leaving, wait for them all, for `wait_s`
+    seconds at most."""
     from triton import knobs
 
     start = time.perf_counter()
@@ -102,15 +112,25 @@ def compile_ahead(device: torch.device, threads: int) -> Iterator[AheadReport]:
         yield report
     finally:
         runtime.jit_cache_hook = launches.previous
+        deadline = time.monotonic() + wait_s
         for what, future in launches.futures:
             try:
-                fn, caches = future.result()
+                fn, caches = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                report.unfinished += 1
+                continue
             except Exception as e:  # the real launch compiles it again, and raises there
                 report.failed += 1
                 logger.warning("compile ahead of %s failed: %s: %s", what, type(e).__name__, e)
                 continue
             for device_key, (kernels, *_) in caches.items():
                 fn.device_caches[device_key][0].update(kernels)
-        pool.shutdown()
+        if report.unfinished:
+            logger.warning(
+                "compile ahead: %d compile(s) still running after %.0f s, left to their launch",
+                report.unfinished,
+                wait_s,
+            )
+        pool.shutdown(wait=not report.unfinished, cancel_futures=True)
         report.kernels = len(launches.futures)
         report.seconds = time.perf_counter() - start

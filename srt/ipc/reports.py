@@ -127,8 +127,9 @@ class JitBuildsInfo:
 class CompileAheadInfo:
     """The warm-up's Triton kernels compiled side by side before it ran them
     (`srt.compilation.triton_ahead`): on how many threads, how many specialisations (compiled,
-    or loaded from Triton's disk cache), how many failed (compiled again at their launch), and
-    the seconds (in the warm-up, whose part of the startup breakdown leaves them out)."""
+    or loaded from Triton's disk cache), how many failed or were unfinished at the deadline
+    (compiled at their launch), and the seconds (in the warm-up, whose part of the startup
+    breakdown leaves them out)."""
 
     threads: int
     kernels: int

@@ -274,9 +274,10 @@ class ModelRunner:
             )
             return
         self.compile_ahead = CompileAheadInfo(
-            threads, ahead.kernels, ahead.failed, round(ahead.seconds, 3)
+            threads, ahead.kernels, ahead.failed + ahead.unfinished, round(ahead.seconds, 3)
         )
-        failed = f", {ahead.failed} failed (compiled again at their launch)" if ahead.failed else ""
+        left = ahead.failed + ahead.unfinished
+        failed = f", {left} failed or unfinished (compiled at their launch)" if left else ""
         logger.info(
             "compiled ahead: %d Triton kernel specialisation(s) on %d thread(s) in %.2f s%s",
             ahead.kernels,
