@@ -15,27 +15,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's tests helpers
+from tests.test_triton_compile import run_python  # noqa: E402
 
 
 def one_run(threads: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("TRITON_INTERPRET", None)  # the compiler's kernels, not the interpreter's
     check = "from tests.test_triton_ahead import check_every_srt_kernel_compiles_ahead as c"
-    proc = subprocess.run(
-        [sys.executable, "-c", f"{check}; c({threads})"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=True,
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_python(f"{check}; c({threads})", interpret=False, timeout=900)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:

@@ -4,9 +4,9 @@ target (the H200's sm_90), launches nothing. Under `compile_ahead` a launch comp
 pool and launches nothing; after it, every specialisation seen is in the kernel's cache, and
 its cubin is the one a compile one kernel at a time makes.
 
-Each check runs in a process of its own without Triton's interpreter: an interpreted launch
-(the other CPU tests run them) patches `triton.language` for good in its process, after which
-the compiler cannot build a kernel there.
+Each check runs in a process of its own without Triton's interpreter (`run_python`: the
+other CPU tests run interpreted launches, after which the compiler cannot build a kernel in
+their process).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -29,7 +27,8 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.test_triton_compile import run_python  # noqa: E402
+
 CPU = torch.device("cpu")
 
 
@@ -161,14 +160,4 @@ def check_every_srt_kernel_compiles_ahead(threads: int = 2) -> None:
     ],
 )
 def test_compile_ahead(check: str) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", f"from tests.test_triton_ahead import {check}; {check}()"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    run_python(f"from tests.test_triton_ahead import {check}; {check}()", interpret=False)

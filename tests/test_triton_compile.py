@@ -171,22 +171,30 @@ def main(step: str) -> None:
         sys.exit("\n".join(failures))
 
 
-def run_step(step: str, interpret: bool, stdin: str = "") -> str:
+def run_python(code: str, interpret: bool, stdin: str = "", timeout: float = 600) -> str:
+    """Run `code` in a fresh Python process at the checkout, with Triton's interpreter on or
+    off (an interpreted launch patches `triton.language` for good in its process, after which
+    the compiler cannot build a kernel there); its stdout, after asserting it succeeded."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-c", f"from tests.test_triton_compile import main; main({step!r})"],
+        [sys.executable, "-c", code],
         cwd=REPO,
         env=env,
         input=stdin,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
-    assert proc.returncode == 0, f"{step}: {(proc.stdout + proc.stderr)[-6000:]}"
+    assert proc.returncode == 0, f"{code}: {(proc.stdout + proc.stderr)[-6000:]}"
     return proc.stdout
+
+
+def run_step(step: str, interpret: bool, stdin: str = "") -> str:
+    code = f"from tests.test_triton_compile import main; main({step!r})"
+    return run_python(code, interpret, stdin)
 
 
 def test_every_triton_kernel_compiles_for_the_h200() -> None:
