@@ -10,9 +10,9 @@ token apart from the decodes'); with the process's CPU seconds (`cpu_s`), two an
 whether a process was busy all along (a client diffs them over a run).
 
 A step may also carry measured durations that are not host marks (`durations`, set with
-`record`): the runner's device time per step, busy and idle before it, from CUDA events; the
-summary gives their means over the window and per kind (an idle device shows as a mean,
-where a median of mostly-zero gaps would hide it).
+`record`): the runner's device time per step, busy, idle before it and their sum, from CUDA
+events; the summary gives their means over the window and per kind (an idle device shows as
+a mean, where a median of mostly-zero gaps would hide it), and per kind their medians too.
 """
 
 from __future__ import annotations
