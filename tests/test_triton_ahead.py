@@ -161,3 +161,25 @@ def check_every_srt_kernel_compiles_ahead(threads: int = 2) -> None:
 )
 def test_compile_ahead(check: str) -> None:
     run_python(f"from tests.test_triton_ahead import {check}; {check}()", interpret=False)
+
+
+@pytest.mark.parametrize(
+    ("device", "index"), [(torch.device("cuda"), 3), (torch.device("cuda", 1), 1)]
+)
+def test_the_pool_threads_compile_on_the_device_asked_for(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device, index: int
+) -> None:
+    """Each pool thread makes the device current before it compiles: an index-less CUDA device
+    is the caller's current one (`torch.cuda.set_device` refuses a device without an index,
+    which broke every pool on the H200 in r17a)."""
+    from srt.compilation.triton_ahead import _pool
+
+    set_to: list[int] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", set_to.append)
+    pool = _pool(device, 2)
+    try:
+        assert pool.submit(lambda: "compiled").result() == "compiled"
+    finally:
+        pool.shutdown()
+    assert set_to and set(set_to) == {index}

@@ -175,7 +175,9 @@ def run_python(code: str, interpret: bool, stdin: str = "", timeout: float = 600
     """Run `code` in a fresh Python process at the checkout, with Triton's interpreter on or
     off (an interpreted launch patches `triton.language` for good in its process, after which
     the compiler cannot build a kernel there); its stdout, after asserting it succeeded."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # The checkout first, then what the caller's path had (a host's extra site directory).
+    path = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"

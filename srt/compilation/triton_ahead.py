@@ -82,6 +82,21 @@ def _compile(fn: Any, spec: str) -> tuple[Any, dict[Any, Any]]:
     return fn, copy.device_caches
 
 
+def _pool(device: torch.device, threads: int) -> ThreadPoolExecutor:
+    """`threads` threads whose current device is `device` (Triton compiles for the current
+    device, and its kernel caches are per device); a CUDA device without an index is the
+    caller's current one (`torch.cuda.set_device` takes no index-less device)."""
+    index = None
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+
+    def on_device() -> None:
+        if index is not None:
+            torch.cuda.set_device(index)
+
+    return ThreadPoolExecutor(threads, "triton-ahead", on_device)
+
+
 # How long leaving the block waits for the pool, at most: a compile that hangs must not hold
 # the start (what is unfinished then compiles at its launch, as without the pool).
 WAIT_S = 300.0
@@ -98,13 +113,7 @@ def compile_ahead(
 
     start = time.perf_counter()
     report = AheadReport(threads)
-
-    # The pool's threads compile for `device` (Triton's kernel caches are per device).
-    def on_device() -> None:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-
-    pool = ThreadPoolExecutor(threads, "triton-ahead", on_device)
+    pool = _pool(device, threads)
     runtime = knobs.runtime
     launches = _Launches(pool, runtime.jit_cache_hook)
     runtime.jit_cache_hook = launches
