@@ -210,6 +210,18 @@ def test_the_miss_list_is_bounded_and_the_count_is_not() -> None:
     assert info.listed[0] == JitMiss("kernel 0", 1.0, None)
 
 
+def test_a_disarmed_log_counts_no_more_and_sums_the_milliseconds() -> None:
+    """The warm-up's log of what compiled at a launch after the compile ahead is armed for the
+    warm-up alone."""
+    log = JitMissLog("in the warm-up, not compiled ahead")
+    log.arm()
+    report_miss("triton _chunk_argmax_kernel", 250.0)
+    report_miss("triton _row_argmax_kernel", 120.5)
+    log.disarm()
+    report_miss("triton after the warm-up", 9.0)
+    assert (log.count, log.ms) == (2, 370.5)
+
+
 def test_triton_hooks_time_each_compile_and_chain() -> None:
     """Triton's JIT calls `jit_cache_hook` before a compile (a true return skips it) and
     `jit_post_compile_hook` after, with keyword arguments; `repr` names the specialisation."""

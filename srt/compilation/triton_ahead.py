@@ -12,8 +12,10 @@ loads what Triton's disk cache has), and returns True, which tells Triton to com
 nothing. The pool compiles into a copy of the kernel's caches, so that no launch inside the
 block finds a kernel compiled meanwhile and runs it; leaving the context waits for the pool and
 puts each compiled kernel into its kernel's cache, and the real forward after it compiles
-nothing. Compiles spend their time in
-LLVM and ptxas, outside the GIL, so threads suffice.
+nothing. Compiles spend their time in LLVM and ptxas, outside the GIL, so threads suffice.
+(Triton's own `AsyncCompileMode` compiles on an executor too, but a launch under it waits for
+its kernel: only launches that are warm-ups, which Inductor's generated code makes and srt's
+wrappers do not, run side by side.)
 
 The forward run under it launches no Triton kernel, so what those kernels would have written
 is whatever the memory held: run only a forward whose other kernels read no Triton output as

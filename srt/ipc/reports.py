@@ -129,12 +129,15 @@ class CompileAheadInfo:
     (`srt.compilation.triton_ahead`): on how many threads, how many specialisations (compiled,
     or loaded from Triton's disk cache), how many failed or were unfinished at the deadline
     (compiled at their launch), and the seconds (in the warm-up, whose part of the startup
-    breakdown leaves them out)."""
+    breakdown leaves them out); then what the warm-up still compiled at a launch, one after
+    another (a kernel the pool never saw), and the seconds that took."""
 
     threads: int
     kernels: int
     failed: int
     s: float
+    missed: int = 0
+    missed_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,14 @@ Report = Callable[[str, float], None]
 
 
 class JitMissLog:
-    """The misses of one model runner: a count and the first `MAX_LISTED`."""
+    """The misses of one model runner: a count, their milliseconds and the first `MAX_LISTED`.
+    `when` says in the log when they happened (after ready, or in the warm-up after its
+    kernels were compiled ahead: what the pool did not see)."""
 
-    def __init__(self) -> None:
+    def __init__(self, when: str = "after ready") -> None:
+        self.when = when
         self.count = 0
+        self.ms = 0.0
         self.listed: list[JitMiss] = []
         # (mode, requests, tokens) of the step being run, set by the runner for each step.
         self.step: tuple[ForwardMode, int, int] | None = None
@@ -60,15 +64,19 @@ class JitMissLog:
         install_hooks()
         _armed.add(self)
 
+    def disarm(self) -> None:
+        _armed.discard(self)
+
     def record(self, what: str, ms: float) -> None:
         during = None
         if self.step is not None:
             mode, requests, tokens = self.step
             during = f"{mode.name.lower()} step of {requests} request(s), {tokens} token(s)"
         self.count += 1
+        self.ms += ms
         if len(self.listed) < MAX_LISTED:
             self.listed.append(JitMiss(what, round(ms, 3), during))
-        logger.info("JIT miss after ready: %s took %.1f ms (%s)", what, ms, during or "no step")
+        logger.info("JIT miss %s: %s took %.1f ms (%s)", self.when, what, ms, during or "no step")
 
     def info(self) -> JitMissesInfo:
         return JitMissesInfo(self.count, tuple(self.listed))
