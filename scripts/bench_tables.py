@@ -4,11 +4,13 @@
 
 A `.jsonl` file holds `srt.bench.one_batch` and `srt.bench.hf_baseline` rows (decode ms/step
 per path and batch size, against the floor); a `.json` file is `srt.bench.cold_start` or
-`srt.bench.serving` output.
+`srt.bench.serving` output; either may be gzipped (`.jsonl.gz`, `.json.gz`: the committed
+results over 200 KB are).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -100,13 +102,18 @@ def runner_tables(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def read_text(path: Path) -> str:
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+
+
 def main(paths: list[str]) -> None:
     for path in map(Path, paths):
         print(f"## {path.name}\n")
-        if path.suffix == ".jsonl":
-            print(runner_tables([json.loads(line) for line in path.read_text().splitlines()]))
+        text = read_text(path)
+        if path.name.removesuffix(".gz").endswith(".jsonl"):
+            print(runner_tables([json.loads(line) for line in text.splitlines()]))
             continue
-        data = json.loads(path.read_text())
+        data = json.loads(text)
         if "runs" in data and data["runs"] and "cache" in data["runs"][0]:
             print(markdown_table(cold_start.table_rows(data["runs"]), cold_start.TABLE))
             print()

@@ -1157,3 +1157,31 @@ def test_one_batch_labels_keep_backends_and_op_selections_apart() -> None:
     assert label({"decode_backend": "tc_piecewise", "tc_compiler": "inductor"}) == (
         "tc_piecewise-inductor"
     )
+
+
+def test_the_tables_script_reads_gzipped_results_as_the_plain_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Committed results over 200 KB are gzipped; `scripts/bench_tables.py` prints the same
+    tables from them (a one_batch `.jsonl` and a serving `.json` here)."""
+    import gzip
+    import importlib.util
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_tables", repo / "scripts/bench_tables.py")
+    assert spec is not None and spec.loader is not None
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    results = repo / "docs/results"
+    for name in (
+        "2026-12-01-h200-serving-llama-3.2-1b-full.json",
+        "2026-12-03-h200-r15c-runner-llama-3.2-1b-ctx1024.jsonl",
+    ):
+        plain = results / name
+        packed = tmp_path / f"{name}.gz"
+        packed.write_bytes(gzip.compress(plain.read_bytes()))
+        printed = []
+        for path in (plain, packed):
+            tables.main([str(path)])
+            printed.append(capsys.readouterr().out.split("\n", 1)[1])  # after the file's name
+        assert "|---|" in printed[0] and printed[0] == printed[1]
