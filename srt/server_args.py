@@ -162,8 +162,9 @@ class ServerArgs:
     compile_threads: int | None = _opt(
         None,
         "Threads that compile the warm-up's Triton kernels side by side before it runs (the "
-        "forward run once with every Triton launch turned into a compile); default one per "
-        "usable CPU, 0 to compile each kernel at its first launch, one after another.",
+        "forward run once with every Triton launch turned into a compile), on a start whose "
+        "Triton disk cache is empty; default one per usable CPU, 0 to compile each kernel at "
+        "its first launch, one after another.",
     )
     skip_warmup: bool = _opt(
         False,

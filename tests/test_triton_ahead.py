@@ -183,3 +183,20 @@ def test_the_pool_threads_compile_on_the_device_asked_for(
     finally:
         pool.shutdown()
     assert set_to and set(set_to) == {index}
+
+
+def test_the_disk_cache_entries_are_the_kernels_triton_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start compiles ahead only while Triton's disk cache is empty (a warm start's launches
+    load their kernels): one directory per kernel, a missing cache counts none."""
+    from srt.compilation.triton_ahead import disk_cache_entries
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    assert disk_cache_entries() == 0
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "stray.lock").write_text("")
+    assert disk_cache_entries() == 0
+    for name in ("K3QRZ", "A7XPL"):
+        (tmp_path / "triton" / name).mkdir()
+    assert disk_cache_entries() == 2

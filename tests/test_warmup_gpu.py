@@ -181,3 +181,16 @@ def test_the_warmup_kernels_compile_ahead_and_change_no_id(
         else:
             assert info["compile_ahead"] is None
     assert runs[0] == runs[1]
+    # Again on the first start's cache: warm, so nothing compiles ahead and nothing is missed.
+    with Engine(
+        model_path=str(bf16_llama),
+        device="cuda",
+        attention_backend="triton",
+        compile_cache_dir=str(tmp_path / "cache-None"),
+        max_total_tokens=4096,
+    ) as eng:
+        assert [
+            o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)
+        ] == runs[0]
+        info = eng.get_server_info()["runner"]
+    assert info["compile_ahead"] is None and info["jit_misses"]["count"] == 0

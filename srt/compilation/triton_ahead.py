@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy as pycopy
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -97,6 +98,18 @@ def _pool(device: torch.device, threads: int) -> ThreadPoolExecutor:
             torch.cuda.set_device(index)
 
     return ThreadPoolExecutor(threads, "triton-ahead", on_device)
+
+
+def disk_cache_entries() -> int:
+    """How many kernels Triton's disk cache holds (a directory each): none on a first start,
+    where compiling ahead pays; a warm start's launches only load theirs, and the block's
+    extra forwards would cost more than they save (r17b: +0.2 s on the 1B warm start)."""
+    from triton import knobs
+
+    try:
+        return sum(1 for entry in os.scandir(knobs.cache.dir) if entry.is_dir())
+    except OSError:  # not made yet: nothing compiled there
+        return 0
 
 
 # How long leaving the block waits for the pool, at most: a compile that hangs must not hold

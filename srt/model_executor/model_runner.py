@@ -23,7 +23,7 @@ from srt import flashinfer_support
 from srt.compilation.cache_root import default_cache_root, open_cache_root, point_tool_caches
 from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
-from srt.compilation.triton_ahead import compile_ahead
+from srt.compilation.triton_ahead import compile_ahead, disk_cache_entries
 from srt.distributed import (
     broadcast_object,
     destroy_tp,
@@ -263,11 +263,20 @@ class ModelRunner:
         """Compile the Triton kernels the warm-up launches side by side before it runs them:
         its forwards and skinny launches once with every Triton launch a compile on a pool
         (`srt.compilation.triton_ahead`; what they return is discarded). On CUDA only, where
-        the attention backend allows it and `--compile-threads` is not 0. If it fails, the
-        warm-up compiles each kernel at its first launch, as without it."""
+        the attention backend allows it and `--compile-threads` is not 0, and on a first
+        start (Triton's disk cache empty). If it fails, the warm-up compiles each kernel at
+        its first launch, as without it."""
         threads = self.args.compile_threads
         threads = usable_cpus() if threads is None else threads
         if self.device.type != "cuda" or threads == 0 or not self.attn_backend.compiles_ahead:
+            return
+        cached = disk_cache_entries()
+        if cached:
+            logger.info(
+                "compile ahead skipped: Triton's disk cache holds %d kernel(s) already (a warm "
+                "start; one it lacks compiles at its launch and is logged)",
+                cached,
+            )
             return
         try:
             with compile_ahead(self.device, threads) as ahead:
