@@ -60,8 +60,9 @@ def configure_logging(level: str, process: str) -> None:
     )
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when the launcher dies, so that no child is orphaned."""
+def die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent (the launcher, or the runner for its
+    compile workers) dies, so that no child is orphaned."""
     launcher = multiprocessing.parent_process()
     parent = launcher.pid if launcher is not None else os.getppid()
     if sys.platform.startswith("linux"):
@@ -92,7 +93,7 @@ class ChildEntry:
     function: str
 
     def __call__(self, *args: Any) -> None:
-        _die_with_parent()  # first: the imports take seconds, the launcher may die meanwhile
+        die_with_parent()  # first: the imports take seconds, the launcher may die meanwhile
         getattr(importlib.import_module(self.module), self.function)(*args)
 
 

@@ -163,8 +163,9 @@ class ServerArgs:
         None,
         "Threads that compile the warm-up's Triton kernels side by side before it runs (the "
         "forward run once with every Triton launch turned into a compile), on a start whose "
-        "Triton disk cache is empty; default one per usable CPU, 0 to compile each kernel at "
-        "its first launch, one after another.",
+        "Triton disk cache is empty, each handing its kernel to one of min(N, 8) worker "
+        "processes started with the runner; default one per usable CPU, 0 to compile each "
+        "kernel at its first launch, one after another.",
     )
     skip_warmup: bool = _opt(
         False,

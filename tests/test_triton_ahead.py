@@ -149,6 +149,44 @@ def check_every_srt_kernel_compiles_ahead(threads: int = 2) -> None:
     print(json.dumps(dataclasses.asdict(report)))
 
 
+def check_the_workers_compile_and_the_threads_only_load(
+    processes: int = 2, threads: int = 4, ready_first: bool = False
+) -> None:
+    """Given worker processes, every srt kernel the wrappers launch compiles in one of them
+    into Triton's disk cache, and the pool's threads only load it: the compiler's stages are
+    broken in this process, so a thread that compiled would fail. With `ready_first` the block
+    starts once every worker has imported (as in a server's start, where they import while
+    the runner loads). The report printed as JSON (the last line:
+    `scripts/bench_compile_ahead.py` reads it)."""
+    import time
+
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from srt.compilation.triton_ahead import compile_ahead
+    from srt.compilation.triton_workers import CompileWorkers
+    from srt.model_executor.runner_entry import KERNEL_PACKAGES
+    from tests.test_triton_compile import exercise_kernels
+
+    def compiled_here(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a thread compiled a kernel the workers had compiled")
+
+    with _no_gpu():
+        workers = CompileWorkers(processes, KERNEL_PACKAGES)  # spawned: their compiler whole
+        CUDABackend.add_stages = compiled_here  # type: ignore[method-assign]
+        try:
+            while ready_first and workers.ready_after_s() is None:
+                time.sleep(0.01)
+            with compile_ahead(CPU, threads, workers=workers) as report:
+                exercise_kernels()
+            ready_s = workers.ready_after_s()  # each did a task: each had imported
+        finally:
+            workers.shutdown()
+    assert report.failed == 0 and report.kernels >= 10, report
+    assert report.on_workers == report.kernels, report
+    assert ready_s is not None and 0 < ready_s < report.seconds + 600, ready_s
+    print(json.dumps(dataclasses.asdict(report) | {"processes": processes, "ready_s": ready_s}))
+
+
 @pytest.mark.parametrize(
     "check",
     [
@@ -157,6 +195,7 @@ def check_every_srt_kernel_compiles_ahead(threads: int = 2) -> None:
         "check_a_failed_compile_is_counted_and_left_to_the_launch",
         "check_a_compile_past_the_deadline_is_left_to_the_launch",
         "check_every_srt_kernel_compiles_ahead",
+        "check_the_workers_compile_and_the_threads_only_load",
     ],
 )
 def test_compile_ahead(check: str) -> None:
@@ -190,7 +229,7 @@ def test_the_disk_cache_entries_are_the_kernels_triton_saved(
 ) -> None:
     """A start compiles ahead only while Triton's disk cache is empty (a warm start's launches
     load their kernels): one directory per kernel, a missing cache counts none."""
-    from srt.compilation.triton_ahead import disk_cache_entries
+    from srt.compilation.triton_workers import disk_cache_entries
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     assert disk_cache_entries() == 0
@@ -200,3 +239,43 @@ def test_the_disk_cache_entries_are_the_kernels_triton_saved(
     for name in ("K3QRZ", "A7XPL"):
         (tmp_path / "triton" / name).mkdir()
     assert disk_cache_entries() == 2
+
+
+def test_compile_workers_start_on_a_first_start_on_cuda_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner's entry starts worker processes where its warm-up will compile ahead: on
+    CUDA, with threads to compile on, a warm-up, an attention backend that compiles ahead,
+    and an empty Triton disk cache under the compile cache root; one per thread, at most
+    MAX_WORKERS."""
+    from srt.compilation import cache_root
+    from srt.compilation.triton_workers import MAX_WORKERS
+    from srt.model_executor import runner_entry
+    from srt.server_args import ServerArgs, usable_cpus
+
+    started: list[int] = []
+
+    def workers(processes: int, packages: tuple[str, ...], first: Any) -> str:
+        assert packages == runner_entry.KERNEL_PACKAGES and first is not None
+        started.append(processes)
+        return "workers"
+
+    monkeypatch.setattr(runner_entry, "CompileWorkers", workers)
+    for name in cache_root.TOOL_CACHE_DIRS:  # as if unset at launch; restored after
+        monkeypatch.setenv(name, "")
+        monkeypatch.setitem(cache_root.LAUNCH_TOOL_CACHE_DIRS, name, None)
+
+    def start(**flags: Any) -> Any:
+        args = ServerArgs(model_path="m", compile_cache_dir=str(tmp_path / "cache"), **flags)
+        return runner_entry.start_compile_workers(args)
+
+    assert start(device="cpu") is None
+    assert start(device="cuda", compile_threads=0) is None
+    assert start(device="cuda", skip_warmup=True) is None
+    assert start(device="cuda", attention_backend="flashinfer") is None
+    assert started == []
+    assert start(device="cuda", compile_threads=3) == "workers" and started == [3]
+    assert start(device="cuda") == "workers"
+    assert started[-1] == min(usable_cpus(), MAX_WORKERS)
+    (tmp_path / "cache" / "triton" / "K3QRZ").mkdir()  # a kernel saved: a warm start
+    assert start(device="cuda") is None and len(started) == 2

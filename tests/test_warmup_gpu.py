@@ -155,8 +155,9 @@ def test_the_warmup_kernels_compile_ahead_and_change_no_id(
     bf16_llama: Path, tmp_path: Path, fresh_kernels: None
 ) -> None:
     """On an empty compile cache (Triton's disk cache is under it), the warm-up's kernels
-    compile on the pool, none fails, the warm-up after it and the first request compile no
-    Triton kernel, and the ids are those of a start that compiles each kernel at its launch."""
+    compile on the pool, each in a worker process, none fails, the warm-up after it and the
+    first request compile no Triton kernel, and the ids are those of a start that compiles
+    each kernel at its launch."""
     prompts = [list(range(3, 3 + n)) for n in (5, 70, 140)]
     params = [{**GREEDY, "max_new_tokens": 6} for _ in prompts]
     runs = []
@@ -176,6 +177,8 @@ def test_the_warmup_kernels_compile_ahead_and_change_no_id(
             ahead = info["compile_ahead"]
             assert ahead["kernels"] > 0 and ahead["failed"] == 0 and ahead["threads"] > 0
             assert ahead["missed"] == 0, ahead  # the warm-up compiled nothing at a launch
+            # Each compiled in a worker process first (the threads then loaded it).
+            assert ahead["processes"] > 0 and ahead["in_processes"] == ahead["kernels"], ahead
             triton_misses = [m for m in info["jit_misses"]["listed"] if "triton" in m["what"]]
             assert not triton_misses, triton_misses
         else:

@@ -25,6 +25,8 @@ a light one (`compile_info`, `private_files`) does not pay for torch and Dynamo.
 - `errors`: `CompilationError` and what fails the trace-once contract.
 - `triton_ahead`: `compile_ahead`, Triton kernels compiled side by side on a thread pool from
   a forward whose launches it turns into compiles (the warm-up's, before it runs).
+- `triton_workers`: `CompileWorkers`, processes that compile those kernels into Triton's disk
+  cache for the pool's threads (no torch at import: started before the runner imports it).
 
 Design and how to read the logs: docs/compilation.md.
 """

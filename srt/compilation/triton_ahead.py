@@ -12,7 +12,10 @@ loads what Triton's disk cache has), and returns True, which tells Triton to com
 nothing. The pool compiles into a copy of the kernel's caches, so that no launch inside the
 block finds a kernel compiled meanwhile and runs it; leaving the context waits for the pool and
 puts each compiled kernel into its kernel's cache, and the real forward after it compiles
-nothing. Compiles spend their time in LLVM and ptxas, outside the GIL, so threads suffice.
+nothing. Threads share one GIL, under which much of a compile runs (r17b: 16 kernels in 4.08 s
+on one thread, 2.70 s on sixteen); given `CompileWorkers` (processes started when the runner
+process started, `srt.compilation.triton_workers`), a thread first has a worker compile its
+specialisation into Triton's disk cache, then compiles it itself, which then only loads.
 (Triton's own `AsyncCompileMode` compiles on an executor too, but a launch under it waits for
 its kernel: only launches that are warm-ups, which Inductor's generated code makes and srt's
 wrappers do not, run side by side.)
@@ -29,7 +32,6 @@ from __future__ import annotations
 import copy as pycopy
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections import defaultdict
@@ -40,6 +42,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from srt.compilation.triton_workers import CompileWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +56,19 @@ class AheadReport:
     kernels: int = 0  # distinct specialisations seen (compiled, or loaded from the disk cache)
     failed: int = 0
     unfinished: int = 0  # still compiling at the deadline: left to their launch
+    on_workers: int = 0  # compiled by a worker process (the thread only loaded them)
     seconds: float = 0.0  # from entering the block to the last compile's end
 
 
 class _Launches:
     """The hook: each specialisation a launch asks for, once, to the pool."""
 
-    def __init__(self, pool: ThreadPoolExecutor, previous: Any, load: bool) -> None:
+    def __init__(
+        self, pool: ThreadPoolExecutor, previous: Any, load: bool, workers: CompileWorkers | None
+    ) -> None:
         self.pool = pool
         self.load = load  # each kernel's launcher built and its binary loaded too
+        self.workers = workers
         self.previous = previous  # a hook installed before (srt's JIT miss timer), chained
         self.lock = threading.Lock()
         self.seen: set[tuple[int, str]] = set()
@@ -74,23 +82,36 @@ class _Launches:
             if (id(fn), kwargs["key"]) not in self.seen:
                 self.seen.add((id(fn), kwargs["key"]))
                 spec = kwargs["compile"]["specialization_data"]
-                self.futures.append(
-                    (kwargs["repr"], self.pool.submit(_compile, fn, spec, self.load))
-                )
+                task = self.pool.submit(_compile, fn, spec, self.load, self.workers)
+                self.futures.append((kwargs["repr"], task))
         return True  # compile nothing and launch nothing now
 
 
-def _compile(fn: Any, spec: str, load: bool) -> tuple[Any, dict[Any, Any]]:
-    """Compile `spec` of JIT function `fn` into caches of a copy of it: (fn, those caches).
-    `load` (on a GPU): also build its launcher and load it onto the device, which Triton does
-    at a kernel's first launch, and which on an empty cache is a C compile per signature (a
-    `gcc` run: r17c's 1B start spent 2.2 s on them in the warm-up after the block)."""
+def _compile(
+    fn: Any, spec: str, load: bool, workers: CompileWorkers | None
+) -> tuple[Any, dict[Any, Any], bool]:
+    """Compile `spec` of JIT function `fn` into caches of a copy of it: (fn, those caches,
+    whether a worker process compiled it). `load` (on a GPU): also build its launcher and load
+    it onto the device, which Triton does at a kernel's first launch, and which on an empty
+    cache is a C compile per signature (a `gcc` run: r17c's 1B start spent 2.2 s on them in the
+    warm-up after the block). With `workers`, one of them compiles both into the disk cache
+    first, and this only loads them (what it cannot do, this compiles)."""
+    on_worker = False
+    if workers is not None:
+        from triton.runtime.driver import driver
+
+        target = driver.active.get_current_target()
+        try:
+            workers.submit(fn.__module__, fn.__name__, spec, target, load).result()
+            on_worker = True
+        except Exception as e:
+            logger.debug("worker compile of %s failed (%s: %s)", fn.__name__, type(e).__name__, e)
     copy = pycopy.copy(fn)
     copy.device_caches = defaultdict(copy.create_binder)
     kernel = copy.preload(spec)
     if load and kernel is not None:
         kernel._init_handles()
-    return fn, copy.device_caches
+    return fn, copy.device_caches, on_worker
 
 
 def _pool(device: torch.device, threads: int) -> ThreadPoolExecutor:
@@ -108,18 +129,6 @@ def _pool(device: torch.device, threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, "triton-ahead", on_device)
 
 
-def disk_cache_entries() -> int:
-    """How many kernels Triton's disk cache holds (a directory each): none on a first start,
-    where compiling ahead pays; a warm start's launches only load theirs, and the block's
-    extra forwards would cost more than they save (r17b: +0.2 s on the 1B warm start)."""
-    from triton import knobs
-
-    try:
-        return sum(1 for entry in os.scandir(knobs.cache.dir) if entry.is_dir())
-    except OSError:  # not made yet: nothing compiled there
-        return 0
-
-
 # How long leaving the block waits for the pool, at most: a compile that hangs must not hold
 # the start (what is unfinished then compiles at its launch, as without the pool).
 WAIT_S = 300.0
@@ -127,18 +136,21 @@ WAIT_S = 300.0
 
 @contextmanager
 def compile_ahead(
-    device: torch.device, threads: int, wait_s: float = WAIT_S
+    device: torch.device,
+    threads: int,
+    wait_s: float = WAIT_S,
+    workers: CompileWorkers | None = None,
 ) -> Iterator[AheadReport]:
-    """Inside: every Triton launch on `device` becomes a compile on `threads` threads, and
-    launches nothing (see the module docstring). On leaving, wait for them all, for `wait_s`
-    seconds at most."""
+    """Inside: every Triton launch on `device` becomes a compile on `threads` threads (each
+    compiled by one of `workers` first, where given), and launches nothing (see the module
+    docstring). On leaving, wait for them all, for `wait_s` seconds at most."""
     from triton import knobs
 
     start = time.perf_counter()
     report = AheadReport(threads)
     pool = _pool(device, threads)
     runtime = knobs.runtime
-    launches = _Launches(pool, runtime.jit_cache_hook, device.type == "cuda")
+    launches = _Launches(pool, runtime.jit_cache_hook, device.type == "cuda", workers)
     runtime.jit_cache_hook = launches
     try:
         yield report
@@ -147,7 +159,7 @@ def compile_ahead(
         deadline = time.monotonic() + wait_s
         for what, future in launches.futures:
             try:
-                fn, caches = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                fn, caches, on_worker = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 report.unfinished += 1
                 continue
@@ -155,6 +167,7 @@ def compile_ahead(
                 report.failed += 1
                 logger.warning("compile ahead of %s failed: %s: %s", what, type(e).__name__, e)
                 continue
+            report.on_workers += on_worker
             for device_key, (kernels, *_) in caches.items():
                 fn.device_caches[device_key][0].update(kernels)
         if report.unfinished:

@@ -130,7 +130,9 @@ class CompileAheadInfo:
     or loaded from Triton's disk cache), how many failed or were unfinished at the deadline
     (compiled at their launch), and the seconds (in the warm-up, whose part of the startup
     breakdown leaves them out); then what the warm-up still compiled at a launch, one after
-    another (a kernel the pool never saw), and the seconds that took."""
+    another (a kernel the pool never saw), and the seconds that took; and the worker processes
+    that compiled first (0: the threads alone), with how many kernels they compiled and when
+    they had all imported, from their start (None: one had not, at the block's end)."""
 
     threads: int
     kernels: int
@@ -138,6 +140,9 @@ class CompileAheadInfo:
     s: float
     missed: int = 0
     missed_s: float = 0.0
+    processes: int = 0
+    in_processes: int = 0
+    processes_ready_s: float | None = None
 
 
 @dataclass(frozen=True)

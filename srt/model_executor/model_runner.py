@@ -23,7 +23,8 @@ from srt import flashinfer_support
 from srt.compilation.cache_root import default_cache_root, open_cache_root, point_tool_caches
 from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
-from srt.compilation.triton_ahead import compile_ahead, disk_cache_entries
+from srt.compilation.triton_ahead import compile_ahead
+from srt.compilation.triton_workers import CompileWorkers, disk_cache_entries
 from srt.distributed import (
     broadcast_object,
     destroy_tp,
@@ -73,8 +74,17 @@ class ModelRunner:
     """One rank's device side. With tensor parallelism every rank builds one; rank 0's
     `launch` passes each plan on to the others (`follow`), so that all run every step."""
 
-    def __init__(self, args: ServerArgs, config: ModelConfig, tp: TPRank | None = None) -> None:
+    def __init__(
+        self,
+        args: ServerArgs,
+        config: ModelConfig,
+        tp: TPRank | None = None,
+        compile_workers: CompileWorkers | None = None,
+    ) -> None:
+        """`compile_workers`: processes the runner's entry started for the warm-up's compile
+        ahead (`runner_entry`); stopped once the warm-up is over."""
         self.args = args
+        self.compile_workers = compile_workers
         self.config = config
         self.tp = tp or TPRank()
         self.device = torch.device(args.resolved_device())
@@ -122,7 +132,11 @@ class ModelRunner:
         install_hooks()  # FlashInfer's module builds in the warm-up and captures, timed
         self.compile_ahead: CompileAheadInfo | None = None  # the warm-up's, if it runs
         start = dataclasses.replace(flashinfer_builds)
-        warmup_s = 0.0 if args.skip_warmup else self._warm_up()
+        try:
+            warmup_s = 0.0 if args.skip_warmup else self._warm_up()
+        finally:
+            if compile_workers is not None:
+                compile_workers.shutdown()
         warmed = dataclasses.replace(flashinfer_builds)
         capture_s = self._prewarm()
         # FlashInfer's builds as a part of the startup of their own, out of the two above.
@@ -279,7 +293,7 @@ class ModelRunner:
             )
             return
         try:
-            with compile_ahead(self.device, threads) as ahead:
+            with compile_ahead(self.device, threads, workers=self.compile_workers) as ahead:
                 for plan in plans:
                     runner = self.phase_runners[plan.mode]
                     batch, logits = runner.run_general(plan)
@@ -296,15 +310,30 @@ class ModelRunner:
                 e,
             )
             return
+        workers = self.compile_workers
+        processes = workers.processes if workers is not None else 0
+        # When they were all ready, from their start: after the block began, it waited.
+        ready_s = workers.ready_after_s() if workers is not None else None
         self.compile_ahead = CompileAheadInfo(
-            threads, ahead.kernels, ahead.failed + ahead.unfinished, round(ahead.seconds, 3)
+            threads,
+            ahead.kernels,
+            ahead.failed + ahead.unfinished,
+            round(ahead.seconds, 3),
+            processes=processes,
+            in_processes=ahead.on_workers,
+            processes_ready_s=round(ready_s, 3) if ready_s is not None else None,
         )
         left = ahead.failed + ahead.unfinished
         failed = f", {left} failed or unfinished (compiled at their launch)" if left else ""
+        where = ""
+        if processes:
+            ready = f"{ready_s:.2f} s after their start" if ready_s is not None else "not ready"
+            where = f" ({ahead.on_workers} in {processes} worker processes, ready {ready})"
         logger.info(
-            "compiled ahead: %d Triton kernel specialisation(s) on %d thread(s) in %.2f s%s",
+            "compiled ahead: %d Triton kernel specialisation(s) on %d thread(s)%s in %.2f s%s",
             ahead.kernels,
             threads,
+            where,
             ahead.seconds,
             failed,
         )

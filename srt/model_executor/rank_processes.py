@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 from srt.distributed import destroy_tp
 from srt.model_config import ModelConfig
 from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.runner_entry import start_compile_workers
 from srt.process import ChildEntry, ReadyPipe
 from srt.server_args import ServerArgs
 from srt.tp_rank import TPRank, tp_ranks
@@ -54,12 +55,17 @@ class FollowerProcesses:
 
 
 def start_ranks(args: ServerArgs, config: ModelConfig) -> tuple[ModelRunner, FollowerProcesses]:
-    """Rank 0's runner, in this process, and the other ranks (none with --tp-size 1)."""
+    """Rank 0's runner, in this process, and the other ranks (none with --tp-size 1). On a
+    first start its warm-up's kernels compile in worker processes started first (the runner
+    stops them after its warm-up)."""
     ranks = tp_ranks(args.tp_size)
+    workers = start_compile_workers(args)
     followers = FollowerProcesses(args, ranks[1:])
     try:
-        return ModelRunner(args, config, ranks[0]), followers
+        return ModelRunner(args, config, ranks[0], workers), followers
     except BaseException:
+        if workers is not None:
+            workers.shutdown()
         destroy_tp()  # if rank 0 got as far as joining the group
         followers.stop()
         raise

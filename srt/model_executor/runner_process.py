@@ -18,6 +18,7 @@ from collections import deque
 import torch
 import zmq
 
+from srt.compilation.triton_workers import CompileWorkers
 from srt.ipc.channels import FROM_RUNNER, TO_RUNNER, Endpoints, Receiver, Sender
 from srt.ipc.messages import (
     BatchPlan,
@@ -43,15 +44,23 @@ logger = logging.getLogger(__name__)
 Launched = tuple[PendingResult, torch.cuda.Event | None]
 
 
-def _build_runner(args: ServerArgs, tp: TPRank) -> ModelRunner:
+def _build_runner(
+    args: ServerArgs, tp: TPRank, compile_workers: CompileWorkers | None = None
+) -> ModelRunner:
     assert args.model_path is not None, "the launcher resolves model_path"
     config = ModelConfig.from_path(args.model_path, args.dtype, args.context_length)
-    return ModelRunner(args, config, tp)
+    return ModelRunner(args, config, tp, compile_workers)
 
 
 class RunnerLoop:
-    def __init__(self, args: ServerArgs, endpoints: Endpoints, tp: TPRank) -> None:
-        self.runner = _build_runner(args, tp)
+    def __init__(
+        self,
+        args: ServerArgs,
+        endpoints: Endpoints,
+        tp: TPRank,
+        compile_workers: CompileWorkers | None = None,
+    ) -> None:
+        self.runner = _build_runner(args, tp, compile_workers)
         self.ctx = zmq.Context()
         self.inbox = Receiver(self.ctx, endpoints, TO_RUNNER)
         self.results = Sender(self.ctx, endpoints, FROM_RUNNER)
@@ -133,9 +142,20 @@ class FollowerLoop:
 
 
 def run_runner_process(
-    args: ServerArgs, endpoints: Endpoints, tp: TPRank, ready: ReadyPipe
+    args: ServerArgs,
+    endpoints: Endpoints,
+    tp: TPRank,
+    ready: ReadyPipe,
+    compile_workers: CompileWorkers | None = None,
 ) -> None:
-    run_child("model_runner", args.log_level, ready, lambda: RunnerLoop(args, endpoints, tp))
+    """Rank 0 of the model runner, in the server (entered through `runner_entry`, which may
+    have started the warm-up's compile workers)."""
+    run_child(
+        "model_runner",
+        args.log_level,
+        ready,
+        lambda: RunnerLoop(args, endpoints, tp, compile_workers),
+    )
 
 
 def run_follower_process(args: ServerArgs, tp: TPRank, ready: ReadyPipe) -> None:

@@ -50,6 +50,8 @@ class BackendFailed(RuntimeError):
 
 
 RUNNER_MODULE = "srt.model_executor.runner_process"
+# Rank 0's entry: it starts the warm-up's compile workers before importing the runner (torch).
+RUNNER_ENTRY_MODULE = "srt.model_executor.runner_entry"
 
 
 SCHEDULER_MODULE = "srt.scheduler.scheduler_process"
@@ -161,7 +163,12 @@ class Launcher:
         args, endpoints = self.args, self.endpoints
         ranks = tp_ranks(args.tp_size)
         spawns: list[tuple[str, str, str, tuple[Any, ...]]] = [
-            ("model_runner", RUNNER_MODULE, "run_runner_process", (args, endpoints, ranks[0])),
+            (
+                "model_runner",
+                RUNNER_ENTRY_MODULE,
+                "run_runner_process",
+                (args, endpoints, ranks[0]),
+            ),
             *(
                 (f"model_runner_rank{tp.rank}", RUNNER_MODULE, "run_follower_process", (args, tp))
                 for tp in ranks[1:]
