@@ -38,29 +38,17 @@ def _scale(X, Y, n, BLOCK: tl.constexpr, SCALE: tl.constexpr):  # type: ignore[n
     tl.store(Y + offs, x * SCALE, mask=offs < n)
 
 
-class _TargetOnly:
-    """A driver that names the H200's target and nothing more: nothing can launch."""
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-    def get_current_target(self) -> Any:
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
-
-
 @contextmanager
 def _no_gpu() -> Iterator[tuple[Any, Path]]:
     """The compiler's JIT function of `_scale` (made by hand: `triton.jit` makes the
     interpreter's under TRITON_INTERPRET), on the target-only driver, with a fresh disk cache."""
+    from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    driver.set_active(_TargetOnly())
+    from srt.compilation.triton_workers import TargetOnlyDriver
+
+    driver.set_active(TargetOnlyDriver(GPUTarget("cuda", 90, 32)))
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TRITON_CACHE_DIR"] = str(Path(tmp) / "ahead")
         yield JITFunction(_scale), Path(tmp)

@@ -26,7 +26,6 @@ both.
 from __future__ import annotations
 
 import importlib
-import logging
 import multiprocessing
 import os
 import pkgutil
@@ -34,8 +33,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 # More workers than this only import torch for nothing: the warm-up's 16-20 specialisations
 # take about 4 s of compiling in all, the longest about 1 s (r17b, bench_compile_ahead).
@@ -54,9 +51,10 @@ def disk_cache_entries() -> int:
         return 0
 
 
-class _TargetOnlyDriver:
+class TargetOnlyDriver:
     """A Triton driver that names one target and nothing more: enough to compile for it; a
-    worker launches nothing, and touching the GPU would give each worker a CUDA context."""
+    worker launches nothing, and touching the GPU would give each worker a CUDA context (the
+    CPU tests compile for the H200 through it too)."""
 
     def __init__(self, target: Any) -> None:
         self.target = target
@@ -104,20 +102,18 @@ def _start_worker(
     ready_at[slot] = time.time()
 
 
-def compile_to_disk(module: str, name: str, spec: str, target: Any, launcher: bool) -> float:
+def compile_to_disk(module: str, name: str, spec: str, target: Any, launcher: bool) -> None:
     """In a worker: compile the specialisation `spec` (Triton's serialised form) of the JIT
     function `name` of `module` for `target` into Triton's disk cache, and with `launcher` its
-    launcher too (CUDA's, a C module Triton caches by its source). The seconds it took."""
+    launcher too (CUDA's, a C module Triton caches by its source)."""
     from triton.runtime.driver import driver
 
-    start = time.perf_counter()
-    driver.set_active(_TargetOnlyDriver(target))
+    driver.set_active(TargetOnlyDriver(target))
     kernel = _jit_function(module, name).preload(spec)
     if launcher and kernel is not None:
         from triton.backends.nvidia.driver import CudaLauncher
 
         CudaLauncher(kernel.src, kernel.metadata)
-    return time.perf_counter() - start
 
 
 class CompileWorkers:
@@ -153,7 +149,7 @@ class CompileWorkers:
 
     def submit(
         self, module: str, name: str, spec: str, target: Any, launcher: bool
-    ) -> Future[float]:
+    ) -> Future[None]:
         return self.pool.submit(compile_to_disk, module, name, spec, target, launcher)
 
     def shutdown(self) -> None:

@@ -9,7 +9,6 @@ torch; Triton reads where its disk cache is, to see whether it is empty).
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -19,8 +18,6 @@ from srt.ipc.channels import Endpoints
 from srt.process import ReadyPipe, die_with_parent
 from srt.server_args import ServerArgs, usable_cpus
 from srt.tp_rank import TPRank
-
-logger = logging.getLogger(__name__)
 
 # The packages whose modules hold srt's Triton kernels: each worker imports them before it is
 # asked for one (the kernel's module is where a worker finds it by name).
