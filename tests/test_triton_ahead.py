@@ -171,6 +171,13 @@ def check_the_workers_compile_and_the_threads_only_load(
             workers.shutdown()
     assert report.failed == 0 and report.kernels >= 10, report
     assert report.on_workers == report.kernels, report
+    # The block's bounds: each compile took time on a worker, the longest no more than all
+    # of them, and none outlasted the block; the forwards handed them out inside it.
+    assert 0 < report.longest_worker_s <= report.worker_s, report
+    assert report.longest_worker_kernel.startswith("_"), report  # srt's kernels' names
+    assert report.longest_worker_s <= report.seconds, report
+    assert 0 < report.forwards_s <= report.seconds, report
+    assert 0 < report.longest_thread_s <= report.seconds, report
     assert ready_s is not None and 0 < ready_s < report.seconds + 600, ready_s
     print(json.dumps(dataclasses.asdict(report) | {"processes": processes, "ready_s": ready_s}))
 

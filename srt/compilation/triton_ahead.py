@@ -58,6 +58,14 @@ class AheadReport:
     unfinished: int = 0  # still compiling at the deadline: left to their launch
     on_workers: int = 0  # compiled by a worker process (the thread only loaded them)
     seconds: float = 0.0  # from entering the block to the last compile's end
+    # What bounds the block: the forwards that hand out the compiles (from entering it to
+    # the last launch), the longest compile on a worker and all of them together, and the
+    # longest compile or load on a thread (after its worker's, where there was one).
+    forwards_s: float = 0.0
+    longest_worker_s: float = 0.0
+    longest_worker_kernel: str = ""  # the JIT function that compile was of
+    worker_s: float = 0.0
+    longest_thread_s: float = 0.0
 
 
 class _Launches:
@@ -87,31 +95,37 @@ class _Launches:
         return True  # compile nothing and launch nothing now
 
 
-def _compile(
-    fn: Any, spec: str, load: bool, workers: CompileWorkers | None
-) -> tuple[Any, dict[Any, Any], bool]:
-    """Compile `spec` of JIT function `fn` into caches of a copy of it: (fn, those caches,
-    whether a worker process compiled it). `load` (on a GPU): also build its launcher and load
-    it onto the device, which Triton does at a kernel's first launch, and which on an empty
-    cache is a C compile per signature (a `gcc` run: r17c's 1B start spent 2.2 s on them in the
-    warm-up after the block). With `workers`, one of them compiles both into the disk cache
-    first, and this only loads them (what it cannot do, this compiles)."""
-    on_worker = False
+@dataclasses.dataclass
+class _Compiled:
+    fn: Any  # the JIT function
+    caches: dict[Any, Any]  # its copy's caches, holding the compiled kernel
+    worker_s: float | None  # the worker's compile (None: no worker compiled it)
+    thread_s: float  # this thread's compile or load after it
+
+
+def _compile(fn: Any, spec: str, load: bool, workers: CompileWorkers | None) -> _Compiled:
+    """Compile `spec` of JIT function `fn` into caches of a copy of it. `load` (on a GPU):
+    also build its launcher and load it onto the device, which Triton does at a kernel's first
+    launch, and which on an empty cache is a C compile per signature (a `gcc` run: r17c's 1B
+    start spent 2.2 s on them in the warm-up after the block). With `workers`, one of them
+    compiles both into the disk cache first, and this only loads them (what it cannot do,
+    this compiles)."""
+    worker_s = None
     if workers is not None:
         from triton.runtime.driver import driver
 
         target = driver.active.get_current_target()
         try:
-            workers.submit(fn.__module__, fn.__name__, spec, target, load).result()
-            on_worker = True
+            worker_s = workers.submit(fn.__module__, fn.__name__, spec, target, load).result()
         except Exception as e:
             logger.debug("worker compile of %s failed (%s: %s)", fn.__name__, type(e).__name__, e)
+    start = time.perf_counter()
     copy = pycopy.copy(fn)
     copy.device_caches = defaultdict(copy.create_binder)
     kernel = copy.preload(spec)
     if load and kernel is not None:
         kernel._init_handles()
-    return fn, copy.device_caches, on_worker
+    return _Compiled(fn, copy.device_caches, worker_s, time.perf_counter() - start)
 
 
 def _pool(device: torch.device, threads: int) -> ThreadPoolExecutor:
@@ -156,10 +170,11 @@ def compile_ahead(
         yield report
     finally:
         runtime.jit_cache_hook = launches.previous
+        report.forwards_s = time.perf_counter() - start
         deadline = time.monotonic() + wait_s
         for what, future in launches.futures:
             try:
-                fn, caches, on_worker = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                done = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 report.unfinished += 1
                 continue
@@ -167,9 +182,15 @@ def compile_ahead(
                 report.failed += 1
                 logger.warning("compile ahead of %s failed: %s: %s", what, type(e).__name__, e)
                 continue
-            report.on_workers += on_worker
-            for device_key, (kernels, *_) in caches.items():
-                fn.device_caches[device_key][0].update(kernels)
+            if done.worker_s is not None:
+                report.on_workers += 1
+                report.worker_s += done.worker_s
+                if done.worker_s > report.longest_worker_s:
+                    report.longest_worker_s = done.worker_s
+                    report.longest_worker_kernel = done.fn.__name__
+            report.longest_thread_s = max(report.longest_thread_s, done.thread_s)
+            for device_key, (kernels, *_) in done.caches.items():
+                done.fn.device_caches[device_key][0].update(kernels)
         if report.unfinished:
             logger.warning(
                 "compile ahead: %d compile(s) still running after %.0f s, left to their launch",

@@ -102,11 +102,14 @@ def _start_worker(
     ready_at[slot] = time.time()
 
 
-def compile_to_disk(module: str, name: str, spec: str, target: Any, launcher: bool) -> None:
+def compile_to_disk(module: str, name: str, spec: str, target: Any, launcher: bool) -> float:
     """In a worker: compile the specialisation `spec` (Triton's serialised form) of the JIT
     function `name` of `module` for `target` into Triton's disk cache, and with `launcher` its
-    launcher too (CUDA's, a C module Triton caches by its source)."""
+    launcher too (CUDA's, a C module Triton caches by its source). Returns the seconds that
+    took (the block's report: is it bounded by its longest compile, or by waiting?)."""
     from triton.runtime.driver import driver
+
+    start = time.perf_counter()
 
     driver.set_active(TargetOnlyDriver(target))
     kernel = _jit_function(module, name).preload(spec)
@@ -114,6 +117,7 @@ def compile_to_disk(module: str, name: str, spec: str, target: Any, launcher: bo
         from triton.backends.nvidia.driver import CudaLauncher
 
         CudaLauncher(kernel.src, kernel.metadata)
+    return time.perf_counter() - start
 
 
 class CompileWorkers:
@@ -149,7 +153,7 @@ class CompileWorkers:
 
     def submit(
         self, module: str, name: str, spec: str, target: Any, launcher: bool
-    ) -> Future[None]:
+    ) -> Future[float]:
         return self.pool.submit(compile_to_disk, module, name, spec, target, launcher)
 
     def shutdown(self) -> None:

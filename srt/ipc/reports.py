@@ -132,7 +132,10 @@ class CompileAheadInfo:
     breakdown leaves them out); then what the warm-up still compiled at a launch, one after
     another (a kernel the pool never saw), and the seconds that took; and the worker processes
     that compiled first (0: the threads alone), with how many kernels they compiled and when
-    they had all imported, from their start (None: one had not, at the block's end)."""
+    they had all imported, from their start (None: one had not, at the block's end). What
+    bounds the block: when it began, from the workers' start; its forwards (entering it to
+    the last launch); the longest compile on a worker and all of theirs together; the
+    longest compile or load on a thread."""
 
     threads: int
     kernels: int
@@ -143,6 +146,12 @@ class CompileAheadInfo:
     processes: int = 0
     in_processes: int = 0
     processes_ready_s: float | None = None
+    began_s: float | None = None
+    forwards_s: float = 0.0
+    longest_process_s: float = 0.0
+    longest_process_kernel: str = ""
+    processes_s: float = 0.0
+    longest_thread_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -292,6 +292,7 @@ class ModelRunner:
                 cached,
             )
             return
+        began = time.time()
         try:
             with compile_ahead(self.device, threads, workers=self.compile_workers) as ahead:
                 for plan in plans:
@@ -322,19 +323,33 @@ class ModelRunner:
             processes=processes,
             in_processes=ahead.on_workers,
             processes_ready_s=round(ready_s, 3) if ready_s is not None else None,
+            began_s=round(began - workers.started_at, 3) if workers is not None else None,
+            forwards_s=round(ahead.forwards_s, 3),
+            longest_process_s=round(ahead.longest_worker_s, 3),
+            longest_process_kernel=ahead.longest_worker_kernel,
+            processes_s=round(ahead.worker_s, 3),
+            longest_thread_s=round(ahead.longest_thread_s, 3),
         )
         left = ahead.failed + ahead.unfinished
         failed = f", {left} failed or unfinished (compiled at their launch)" if left else ""
         where = ""
-        if processes:
+        if workers is not None:
             ready = f"{ready_s:.2f} s after their start" if ready_s is not None else "not ready"
-            where = f" ({ahead.on_workers} in {processes} worker processes, ready {ready})"
+            where = (
+                f" ({ahead.on_workers} in {processes} worker processes, ready {ready}, the "
+                f"block began {began - workers.started_at:.2f} s after; the longest compile "
+                f"there {ahead.longest_worker_s:.2f} s ({ahead.longest_worker_kernel}), "
+                f"{ahead.worker_s:.2f} s in all)"
+            )
         logger.info(
-            "compiled ahead: %d Triton kernel specialisation(s) on %d thread(s)%s in %.2f s%s",
+            "compiled ahead: %d Triton kernel specialisation(s) on %d thread(s)%s in %.2f s "
+            "(its forwards %.2f s, the longest on a thread %.2f s)%s",
             ahead.kernels,
             threads,
             where,
             ahead.seconds,
+            ahead.forwards_s,
+            ahead.longest_thread_s,
             failed,
         )
 
