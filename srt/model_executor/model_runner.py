@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from srt import flashinfer_support
+from srt.batch_layout import ForwardMode
 from srt.compilation.cache_root import default_cache_root, open_cache_root, point_tool_caches
 from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
@@ -295,7 +296,9 @@ class ModelRunner:
         began = time.time()
         try:
             with compile_ahead(self.device, threads, workers=self.compile_workers) as ahead:
-                for plan in plans:
+                # Decode first: its attention kernel is the longest compile (r22, r25: 1.5-1.9
+                # s on a worker), and the block ends with the last compile handed out.
+                for plan in sorted(plans, key=lambda p: p.forward_mode != ForwardMode.DECODE):
                     runner = self.phase_runners[plan.mode]
                     batch, logits = runner.run_general(plan)
                     # A greedy plan's argmax kernels; a sampled plan's ids would index what
