@@ -274,3 +274,21 @@ def test_compile_workers_start_on_a_first_start_on_cuda_only(
     assert started[-1] == min(usable_cpus(), MAX_WORKERS)
     (tmp_path / "cache" / "triton" / "K3QRZ").mkdir()  # a kernel saved: a warm start
     assert start(device="cuda") is None and len(started) == 2
+
+
+def test_triton_is_hashed_on_a_thread_before_the_first_launch() -> None:
+    """`start_hashing_triton` leaves Triton's key of its own code cached for the process, as
+    a kernel's first launch would compute it (a fresh process: nothing hashed it before)."""
+    out = run_python(
+        "import sys\n"
+        "from srt.compilation.triton_ahead import start_hashing_triton\n"
+        "assert 'triton' not in sys.modules\n"
+        "start_hashing_triton().result(timeout=120)\n"
+        "from triton.runtime.cache import triton_key\n"
+        "import triton\n"
+        "info = triton_key.cache_info()\n"
+        "key = triton_key()\n"
+        "print(info.currsize, triton_key.cache_info().hits, key.startswith(triton.__version__))",
+        interpret=False,
+    )
+    assert out.split() == ["1", "1", "True"], out

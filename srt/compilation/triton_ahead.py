@@ -128,6 +128,25 @@ def _compile(fn: Any, spec: str, load: bool, workers: CompileWorkers | None) -> 
     return _Compiled(fn, copy.device_caches, worker_s, time.perf_counter() - start)
 
 
+def start_hashing_triton() -> Future[None]:
+    """Import Triton and hash its own code on a thread (`triton_key`: its files and its 0.5 GB
+    library, 0.3-0.4 s; cached for the process), which the first launch of every kernel on a
+    start needs, to find the kernel in the disk cache: a warm start's warm-up paid it on its
+    critical path. Start it where the host waits on the device or the disk (hashing releases
+    the GIL), and wait for it (`result()`) before anything else imports Triton: two threads
+    importing one package can deadlock."""
+    pool = ThreadPoolExecutor(1, "triton-key")
+
+    def hash_triton() -> None:
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+
+    future = pool.submit(hash_triton)
+    pool.shutdown(wait=False)
+    return future
+
+
 def _pool(device: torch.device, threads: int) -> ThreadPoolExecutor:
     """`threads` threads whose current device is `device` (Triton compiles for the current
     device, and its kernel caches are per device); a CUDA device without an index is the

@@ -24,7 +24,7 @@ from srt.batch_layout import ForwardMode
 from srt.compilation.cache_root import default_cache_root, open_cache_root, point_tool_caches
 from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
-from srt.compilation.triton_ahead import compile_ahead
+from srt.compilation.triton_ahead import compile_ahead, start_hashing_triton
 from srt.compilation.triton_workers import CompileWorkers, disk_cache_entries
 from srt.distributed import (
     broadcast_object,
@@ -99,6 +99,11 @@ class ModelRunner:
             # Its import (a second) on a thread, beside the device's start and the weight
             # load, which spend their time outside the interpreter; waited for after the load.
             flashinfer_support.start_import()
+        # Triton's key beside the device's start and the load (FlashInfer's thread imports
+        # Triton itself: not two threads importing it at once).
+        hashing_triton = None
+        if self.device.type == "cuda" and self.attention_backend_name != "flashinfer":
+            hashing_triton = start_hashing_triton()
         self.device_init_s = timed(self._init_device)
         init_tp(self.tp, self.device)  # before the model: its layers take their shards
         # The heads this rank holds: its attention backend and KV cache see only those.
@@ -118,6 +123,11 @@ class ModelRunner:
         if self.attention_backend_name == "flashinfer":
             # Before anything else imports: the custom ops' kernels import Triton, as may it.
             flashinfer_support.module()
+        if hashing_triton is not None:
+            try:
+                hashing_triton.result()
+            except Exception as e:  # the first launch hashes it instead
+                logger.warning("hashing Triton's code ahead failed: %s: %s", type(e).__name__, e)
         self.custom_ops_s = timed(self._select_custom_ops)  # with the kernels' import of triton
         self.kv_alloc_s = timed(self._allocate_kv)
         self.attn_backend = attn_cls(
