@@ -326,8 +326,10 @@ class ModelRunner:
             return
         workers = self.compile_workers
         processes = workers.processes if workers is not None else 0
-        # When they were all ready, from their start: after the block began, it waited.
+        # When they were all ready and when the block began, from their start: a block that
+        # began before they were ready waited for them.
         ready_s = workers.ready_after_s() if workers is not None else None
+        began_s = began - workers.started_at if workers is not None else None
         self.compile_ahead = CompileAheadInfo(
             threads,
             ahead.kernels,
@@ -336,7 +338,7 @@ class ModelRunner:
             processes=processes,
             in_processes=ahead.on_workers,
             processes_ready_s=round(ready_s, 3) if ready_s is not None else None,
-            began_s=round(began - workers.started_at, 3) if workers is not None else None,
+            began_s=round(began_s, 3) if began_s is not None else None,
             forwards_s=round(ahead.forwards_s, 3),
             longest_process_s=round(ahead.longest_worker_s, 3),
             longest_process_kernel=ahead.longest_worker_kernel,
@@ -346,11 +348,11 @@ class ModelRunner:
         left = ahead.failed + ahead.unfinished
         failed = f", {left} failed or unfinished (compiled at their launch)" if left else ""
         where = ""
-        if workers is not None:
+        if began_s is not None:
             ready = f"{ready_s:.2f} s after their start" if ready_s is not None else "not ready"
             where = (
                 f" ({ahead.on_workers} in {processes} worker processes, ready {ready}, the "
-                f"block began {began - workers.started_at:.2f} s after; the longest compile "
+                f"block began {began_s:.2f} s after; the longest compile "
                 f"there {ahead.longest_worker_s:.2f} s ({ahead.longest_worker_kernel}), "
                 f"{ahead.worker_s:.2f} s in all)"
             )
