@@ -81,3 +81,48 @@ def test_step_sums_weigh_each_product_by_its_count_per_step() -> None:
     sums = step_sums("llama-3.2-1b", entries, "bfloat16")
     # 16 layers x 4 products + the LM head, 2 us each; the kernel saves 1 us on 16 of them.
     assert sums[0] == {"shape": "llama-3.2-1b", "rows": 1, "cublas_ms": 0.13, "chosen_ms": 0.114}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_programmatic_dependent_launches_give_the_plain_launches_bits_in_a_graph(
+    rows: int,
+) -> None:
+    """A chain of products, each reading the one before's output, captured with each launch
+    mode: the dependent launches (`pdl` 1, 2) wait for their input, so the bits are the same."""
+    from srt.layers.triton_ops.skinny_matmul import skinny_matmul_into
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    config = SkinnyConfig(4, 256, 4, 2) if rows == 1 else SkinnyConfig(32, 128, 4, 3)
+    sizes = [(768, 512), (2048, 768), (512, 1024), (768, 512)]  # (n, k); the third gated
+    weights = [
+        torch.randn(n, k, generator=gen, device=dev, dtype=torch.bfloat16) * k**-0.5
+        for n, k in sizes
+    ]
+    x = torch.randn(rows, 512, generator=gen, device=dev, dtype=torch.bfloat16)
+    outs = [
+        torch.empty(rows, 1024 if i == 1 else n, device=dev, dtype=torch.bfloat16)
+        for i, (n, _) in enumerate(sizes)
+    ]
+
+    def chain(pdl: int) -> None:
+        current = x
+        for i, (w, out) in enumerate(zip(weights, outs, strict=True)):
+            skinny_matmul_into(out, current, w, None, config, gated=i == 1, pdl=pdl)
+            current = out
+
+    results = []
+    for pdl in (0, 1, 2):
+        chain(pdl)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain(pdl)
+        for out in outs:
+            out.fill_(float("nan"))  # poisoned: the replay must write every element
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append([out.clone() for out in outs])
+    for got in results[1:]:
+        for a, b in zip(results[0], got, strict=True):
+            assert torch.equal(a, b)

@@ -15,6 +15,12 @@ activation), so the fused and the unfused paths differ only in the sums' order.
 
 The weights are loaded with `evict_first`: they are read once per step and should not push
 the activations out of L2.
+
+`pdl` launches the kernel as a programmatic dependent of the one before it (sm_90): its
+programs start while that kernel ends and wait in `gdc_wait` before touching an activation,
+so a launch's start and the first loads' latency overlap the previous kernel; `pdl=2` also
+streams the program's weight rows into L2 before waiting (the weights are no kernel's
+output). Off by default until `scripts/probe_pdl.py` has measured it on the H200.
 """
 
 from __future__ import annotations
@@ -24,6 +30,19 @@ import triton
 import triton.language as tl
 
 from srt.layers.skinny_matmul_table import MAX_ROWS, SkinnyConfig
+
+
+@triton.jit
+def _prefetch_l2(row_ptrs, row_bytes):
+    """cp.async.bulk.prefetch.L2 of `row_bytes` from each pointer (sm_90): into L2, no registers."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [row_ptrs, row_bytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 # One compile for every row count above 1 (Triton would specialise 16 apart from 2 to 15).
@@ -48,11 +67,25 @@ def _skinny_matmul_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_L2: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     # A masked column reads row 0, so that every weight load is in bounds and unmasked on N.
     safe_cols = tl.where(col_mask, cols, 0).to(tl.int64)
+    if PDL:
+        # Launched as a programmatic dependent: this grid may start while the kernel before it
+        # still runs. Let the next kernel start likewise (it waits for this whole grid in its
+        # own gdc_wait), and read nothing the kernels before wrote, nor write, until they end.
+        tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH_L2:
+            # The weights are no kernel's output: stream this program's rows into L2 now.
+            row_bytes = tl.full([BLOCK_N], K * W.dtype.element_ty.primitive_bitwidth // 8, tl.int32)
+            _prefetch_l2(W + safe_cols * stride_wn, row_bytes)
+            if GATED:
+                _prefetch_l2(W + (safe_cols + up_offset) * stride_wn, row_bytes)
+        tl.extra.cuda.gdc_wait()
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     ks = tl.arange(0, BLOCK_K)
@@ -115,13 +148,17 @@ def skinny_matmul_into(
     bias: torch.Tensor | None,
     config: SkinnyConfig,
     gated: bool = False,
+    pdl: int = 0,
 ) -> None:
     """out = x @ weight^T (+ bias) or, `gated`, silu(x @ gate^T) * (x @ up^T) for weight the
     packed [gate; up] (no bias). x [M, K] with M <= MAX_ROWS and unit stride on K, weight
-    [N, K] contiguous, out [M, N] (N / 2 gated) with unit stride on N."""
+    [N, K] contiguous, out [M, N] (N / 2 gated) with unit stride on N. `pdl`: 0 a plain launch,
+    1 a programmatic dependent launch, 2 that and the weights prefetched into L2 (CUDA only)."""
     rows, k = x.shape
     if not 0 < rows <= MAX_ROWS:
         raise ValueError(f"skinny_matmul_into takes 1 to {MAX_ROWS} rows, got {rows}")
+    if pdl and x.device.type != "cuda":
+        raise ValueError("skinny_matmul_into: pdl (programmatic dependent launch) needs CUDA")
     if x.stride(-1) != 1:
         x = x.contiguous()
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -151,6 +188,9 @@ def skinny_matmul_into(
         # patterns of 16-bit floats (it stores them as integers): products of float32 upcasts
         # are the same products, exactly.
         UPCAST_DOT=x.device.type == "cpu",
+        PDL=pdl > 0,
+        PREFETCH_L2=pdl > 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl > 0,
     )
