@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +35,7 @@ def load_tokenizer(path: str | Path) -> Any:
         if _names_plain_fast_tokenizer(Path(path)):
             # What AutoTokenizer would pick, without its import of every model config, which
             # imports torch (seconds, in a process that has no other use for it).
-            with _torch_hidden_from_transformers():
-                from transformers import PreTrainedTokenizerFast
+            from transformers import PreTrainedTokenizerFast
 
             return PreTrainedTokenizerFast.from_pretrained(str(path))
         from transformers import AutoTokenizer
@@ -48,37 +43,6 @@ def load_tokenizer(path: str | Path) -> Any:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many types for a bad directory
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
-
-
-@contextmanager
-def _torch_hidden_from_transformers() -> Iterator[None]:
-    """In a process that has not imported torch (the launcher), have transformers import as if
-    torch were absent. Why: transformers (5.17, for one) imports torch from its fast-tokenizer
-    module whenever torch is installed, 4 s on a GPU host for a process that never uses it.
-    A `None` entry in `sys.modules` makes `find_spec("torch")` answer None while transformers
-    imports; the entry is gone afterwards, so torch can still be imported later. Its warning
-    that PyTorch is missing, meant for those who lack it, is kept out of the log."""
-    if "torch" in sys.modules or "transformers" in sys.modules:
-        yield  # torch is here already, or transformers has decided: nothing to save
-        return
-    verbosity = os.environ.get("TRANSFORMERS_VERBOSITY")
-    os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # read once, when transformers imports
-    sys.modules["torch"] = None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        if sys.modules.get("torch", 0) is None:
-            del sys.modules["torch"]
-        if verbosity is None:
-            os.environ.pop("TRANSFORMERS_VERBOSITY", None)
-        else:
-            os.environ["TRANSFORMERS_VERBOSITY"] = verbosity
-        if "transformers" in sys.modules:
-            from transformers.utils import logging as transformers_logging
-
-            transformers_logging.set_verbosity(
-                transformers_logging.log_levels.get(verbosity or "warning", 30)
-            )
 
 
 def _names_plain_fast_tokenizer(path: Path) -> bool:
