@@ -18,7 +18,9 @@
 #                        srt/layers/tuned/, used by the stages after it) comes back too
 #   runner-SHAPE         one_batch for disabled, full, full-cublas (the skinny kernel off),
 #                        full --enable-torch-compile, full with flashinfer attention
-#                        (full-flashinfer, not in the default list), full over
+#                        (full-flashinfer, not in the default list), full with the
+#                        skinny kernel launched as a programmatic dependent (full-pdl,
+#                        full-pdl-prefetch, not in the default list either), full over
 #                        Inductor pieces, breakable, tc_piecewise eager and inductor, full
 #                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF)
 #                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists, an
@@ -80,6 +82,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   fi
   export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 fi
+# SITE_FIRST=DIR: packages installed there come before the carried wheels and the host's own
+# (another transformers, say, to compare a start under each in one call).
+[ -n "${SITE_FIRST:-}" ] && export PYTHONPATH=$SITE_FIRST:$PYTHONPATH
 if [ "${PYCACHE:-0}" = 1 ]; then
   unset PYTHONDONTWRITEBYTECODE
   export PYTHONPYCACHEPREFIX=$work/pycache
@@ -152,6 +157,8 @@ runner() {  # the decode paths of srt and the alternatives on one shape
     [tc-inductor]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor"
     [prefill-full]="--cuda-graph-backend-decode full --cuda-graph-backend-prefill full"
     [full-flashinfer]="--cuda-graph-backend-decode full --attention-backend flashinfer"
+    [full-pdl]="--cuda-graph-backend-decode full --skinny-matmul-launch pdl"
+    [full-pdl-prefetch]="--cuda-graph-backend-decode full --skinny-matmul-launch pdl-prefetch"
   )
   local config method
   for config in $configs; do

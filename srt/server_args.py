@@ -159,6 +159,14 @@ class ServerArgs:
         "(e.g. none +rms_norm, or all,-rotary_embedding). Default: kernels, but the PyTorch "
         "reference inside graphs Inductor compiles (docs/compilation.md lists the ops).",
     )
+    skinny_matmul_launch: str = _opt(
+        "plain",
+        "How the skinny matmul kernel launches: plain; pdl, as a programmatic dependent of the "
+        "kernel before it (its start overlaps that kernel's end, and it waits before reading its "
+        "input); pdl-prefetch, that and its weight rows streamed into L2 before it waits. The "
+        "last two need a CUDA GPU of compute capability 9.0 or newer.",
+        choices=["plain", "pdl", "pdl-prefetch"],
+    )
     compile_threads: int | None = _opt(
         None,
         "Threads that compile the warm-up's Triton kernels side by side before it runs (the "
@@ -272,12 +280,20 @@ class ServerArgs:
                 "log_level",
                 f"invalid choice: {self.log_level!r} (choose from {', '.join(LOG_LEVELS)})",
             )
-        from srt.op_selection import parse_custom_ops
+        from srt.op_selection import SKINNY_LAUNCHES, parse_custom_ops
 
         try:
             parse_custom_ops(self.custom_ops)
         except ValueError as e:
             raise ServerArgsError("custom_ops", str(e)) from None
+        launch = self.skinny_matmul_launch
+        if launch not in SKINNY_LAUNCHES:
+            raise ServerArgsError(
+                "skinny_matmul_launch",
+                f"invalid choice: {launch!r} (choose from {', '.join(SKINNY_LAUNCHES)})",
+            )
+        if launch != "plain" and self.device == "cpu":
+            raise ServerArgsError("skinny_matmul_launch", f"{launch} needs CUDA, not the CPU")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ServerArgsError("device", f"must be cpu, cuda or auto, got {self.device!r}")
         if self.device.startswith("cuda"):

@@ -1143,8 +1143,9 @@ def test_random_checkpoint_loads_everywhere(small_shape: str, tmp_path: Path) ->
 
 
 def test_one_batch_labels_keep_backends_and_op_selections_apart() -> None:
-    """Rows of one results file that differ only in the attention backend or the custom ops
-    get their own rows in the tables (they were printed over one another)."""
+    """Rows of one results file that differ only in the attention backend, the custom ops or
+    the skinny kernel's launch get their own rows in the tables (they were printed over one
+    another)."""
     from srt.bench.one_batch import label
 
     base = {"decode_backend": "full", "prefill_backend": "disabled", "custom_ops": None}
@@ -1152,8 +1153,16 @@ def test_one_batch_labels_keep_backends_and_op_selections_apart() -> None:
         {**base, "attention_backend": "triton"},
         {**base, "attention_backend": "flashinfer"},
         {**base, "attention_backend": "triton", "custom_ops": "all,-skinny_matmul"},
+        {**base, "attention_backend": "triton", "skinny_matmul_launch": "plain"},
+        {**base, "attention_backend": "triton", "skinny_matmul_launch": "pdl"},
     ]
-    assert [label(r) for r in rows] == ["full", "full, flashinfer", "full, ops all,-skinny_matmul"]
+    assert [label(r) for r in rows] == [
+        "full",
+        "full, flashinfer",
+        "full, ops all,-skinny_matmul",
+        "full",
+        "full, launch pdl",
+    ]
     assert label({"decode_backend": "tc_piecewise", "tc_compiler": "inductor"}) == (
         "tc_piecewise-inductor"
     )

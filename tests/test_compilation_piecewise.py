@@ -296,6 +296,7 @@ OPTION_CHANGES = {
     "enable_torch_compile": True,
     "torch_compile_max_bs": 8,
     "keep_shape_guards": True,
+    "skinny_matmul_launch": "pdl",  # the kernel's launch: a constant of the traced graph
 }
 # Options that reach the graph as this process resolves them.
 RESOLVED_CHANGES = {

@@ -45,8 +45,11 @@ from srt.layers.linear import (
     skinny_matmul_silu_and_mul_kernel,
 )
 from srt.layers.rotary_embedding import RotaryEmbedding, rotary_kernel
+from srt.model_executor.runner_setup import skinny_launch
 from srt.op_selection import (
     OPS,
+    PDL_MIN_CAPABILITY,
+    SKINNY_LAUNCHES,
     OpImpl,
     asks_for_kernels,
     parse_custom_ops,
@@ -392,32 +395,43 @@ def model_products(path: Path) -> list[tuple[int, int, bool]]:
     ]
 
 
-def greedy_ids_kernels_on_and_off(path: Path, device: str, **options: Any) -> dict[str, Any]:
-    """Greedy ids of the model with every kernel off (`none`) and every one on (`all`), the
-    skinny matmul kernel running every product of up to 8 rows (a table that says so)."""
-    ids = {}
+def greedy_ids_under_a_skinny_table(
+    path: Path, device: str, entries: list[str], **options: Any
+) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Greedy ids of the model with `--custom-ops entries`, the skinny matmul kernel chosen for
+    every product of up to 8 rows (a table that says so), and the kernel's launches as (rows,
+    pdl)."""
     name = torch.cuda.get_device_name() if device == "cuda" else device
-    launches: list[int] = []
+    launches: list[tuple[int, int]] = []
     import srt.layers.triton_ops.skinny_matmul as skinny
 
     def counted(*args: Any, **kwargs: Any) -> None:
-        launches.append(args[1].shape[0])
+        launches.append((args[1].shape[0], kwargs.get("pdl", 0)))
         original(*args, **kwargs)
 
     original = skinny.skinny_matmul_into
+    with (
+        skinny_table_for(name, skinny_entries(model_products(path), ["float32"])),
+        mock.patch.object(skinny, "skinny_matmul_into", counted),
+        Engine(
+            model_path=str(path), device=device, dtype="float32", custom_ops=entries, **options
+        ) as eng,
+    ):
+        if device == "cpu":  # the runner never picks kernels without CUDA: force them
+            apply_custom_ops(eng.runner.model, resolve_custom_ops(entries, None))
+        norm = eng.runner.model.model.norm
+        assert norm.uses_kernel("fused_add_rms_norm") == (entries == ["all"])
+        return greedy_ids(eng), launches
+
+
+def greedy_ids_kernels_on_and_off(path: Path, device: str, **options: Any) -> dict[str, Any]:
+    """Greedy ids of the model with every kernel off (`none`) and every one on (`all`), the
+    skinny matmul kernel running every product of up to 8 rows."""
+    ids = {}
     for entries in (["none"], ["all"]):
-        with (
-            skinny_table_for(name, skinny_entries(model_products(path), ["float32"])),
-            mock.patch.object(skinny, "skinny_matmul_into", counted),
-            Engine(
-                model_path=str(path), device=device, dtype="float32", custom_ops=entries, **options
-            ) as eng,
-        ):
-            if device == "cpu":  # the runner never picks kernels without CUDA: force them
-                apply_custom_ops(eng.runner.model, resolve_custom_ops(entries, None))
-            norm = eng.runner.model.model.norm
-            assert norm.uses_kernel("fused_add_rms_norm") == (entries == ["all"])
-            ids[entries[0]] = greedy_ids(eng)
+        ids[entries[0]], launches = greedy_ids_under_a_skinny_table(
+            path, device, entries, **options
+        )
         assert bool(launches) == (entries == ["all"]), launches
     return ids
 
@@ -470,6 +484,55 @@ def test_kernels_on_give_the_greedy_ids_of_the_reference_on_the_gpu(
     options = {"compile_cache_dir": str(tmp_path), **GPU_GRAPHS[graphs]}
     ids = greedy_ids_kernels_on_and_off(path, "cuda", **options)
     assert ids["all"] == ids["none"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", ["pdl", "pdl-prefetch"])
+def test_the_skinny_kernel_launched_as_a_dependent_gives_the_plain_launches_ids(
+    launch: str, tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """`--skinny-matmul-launch pdl` / `pdl-prefetch` inside the decode step's CUDA graphs: every
+    launch of the kernel is a dependent one, and the ids are the plain launches' (each waits
+    for the kernel before it, so the bits are the same)."""
+    if torch.cuda.get_device_capability() < PDL_MIN_CAPABILITY:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    path = tiny_model_factory("llama", rope_scaling="llama3")
+    ids = {}
+    for mode in ("plain", launch):
+        ids[mode], launches = greedy_ids_under_a_skinny_table(
+            path, "cuda", ["all"], skinny_matmul_launch=mode, compile_cache_dir=str(tmp_path)
+        )
+        assert launches and {pdl for _, pdl in launches} == {SKINNY_LAUNCHES[mode]}, launches
+    assert ids[launch] == ids["plain"]
+
+
+def test_a_dependent_launch_reaches_the_skinny_kernel_from_the_layer() -> None:
+    """The launch the runner gives the layers is what each product passes to the kernel, plain
+    and gated (the kernel itself is mocked: a dependent launch needs CUDA)."""
+    import srt.layers.triton_ops.skinny_matmul as skinny
+
+    layer = Linear(32, [48, 48])
+    layer.weight.data.normal_()
+    apply_custom_ops(layer, resolve_custom_ops(["all"], None), skinny_launch=2)
+    shapes = skinny_entries([(96, 32, False), (96, 32, True)], ["float32"])
+    calls: list[int] = []
+    with (
+        skinny_table_for("cpu", shapes),
+        mock.patch.object(skinny, "skinny_matmul_into", lambda *a, **k: calls.append(k["pdl"])),
+    ):
+        layer(torch.randn(3, 32))
+        layer.silu_and_mul_of(torch.randn(1, 32), SiluAndMul())
+    assert calls == [2, 2]
+
+
+def test_a_dependent_launch_is_refused_where_it_cannot_run() -> None:
+    with pytest.raises(ServerArgsError, match="--skinny-matmul-launch: pdl needs CUDA"):
+        ServerArgs(device="cpu", skinny_matmul_launch="pdl").check()
+    with pytest.raises(ServerArgsError, match="invalid choice: 'fast'"):
+        ServerArgs(skinny_matmul_launch="fast").check()
+    with pytest.raises(ServerArgsError, match="compute capability 9.0 or newer, not cpu"):
+        skinny_launch("pdl-prefetch", torch.device("cpu"))
+    assert skinny_launch("plain", torch.device("cpu")) == 0
 
 
 # ---- the runner ----

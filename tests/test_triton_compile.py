@@ -225,28 +225,30 @@ for pdl in (0, 1, 2):
     for rows, gated in ((1, True), (16, False)):
         consts = dict(K=2048, HAS_BIAS=False, GATED=gated, EVEN_K=True, BLOCK_M=rows,
                       BLOCK_N=4 if rows == 1 else 32, BLOCK_K=1024 if rows == 1 else 256,
-                      PRECISION="tf32", UPCAST_DOT=False, PDL=pdl > 0, PREFETCH_L2=pdl > 1)
+                      PRECISION="tf32", UPCAST_DOT=False, PDL=pdl > 0, PREFETCH_L2=pdl > 1,
+                      PREFETCH_K=2048 if rows == 1 else 512)
         signature = pointers | scalars | {name: "constexpr" for name in consts}
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=4, num_stages=2, launch_pdl=pdl > 0))
         ptx = compiled.asm["ptx"]
-        print(pdl, gated, "griddepcontrol.wait" in ptx, ptx.count("cp.async.bulk.prefetch.L2"),
-              compiled.metadata.launch_pdl)
+        print(pdl, gated, "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
+              ptx.count("cp.async.bulk.prefetch.L2"), compiled.metadata.launch_pdl)
 """
 
 
 def test_the_skinny_kernel_compiles_as_a_programmatic_dependent_for_the_h200() -> None:
-    """`pdl=1` waits for the kernel before in `griddepcontrol.wait` and is launched with the
-    attribute; `pdl=2` also prefetches its weight rows into L2 first (gate and up, gated)."""
+    """`pdl=1` waits for the kernel before in `griddepcontrol.wait`, lets the next one start
+    (`launch_dependents`) and is launched with the attribute; `pdl=2` also prefetches its
+    weight rows' first tiles into L2 first (gate and up, gated)."""
     pytest.importorskip("triton")
     lines = run_python(_PDL_PTX, interpret=False).split()
-    got = [lines[i : i + 5] for i in range(0, len(lines), 5)]
+    got = [lines[i : i + 6] for i in range(0, len(lines), 6)]
     assert got == [
-        ["0", "True", "False", "0", "False"],
-        ["0", "False", "False", "0", "False"],
-        ["1", "True", "True", "0", "True"],
-        ["1", "False", "True", "0", "True"],
-        ["2", "True", "True", "2", "True"],
-        ["2", "False", "True", "1", "True"],
+        ["0", "True", "False", "False", "0", "False"],
+        ["0", "False", "False", "False", "0", "False"],
+        ["1", "True", "True", "True", "0", "True"],
+        ["1", "False", "True", "True", "0", "True"],
+        ["2", "True", "True", "True", "2", "True"],
+        ["2", "False", "True", "True", "1", "True"],
     ]

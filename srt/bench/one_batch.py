@@ -240,6 +240,7 @@ def bench(
                 "enable_torch_compile": args.enable_torch_compile,
                 "tc_compiler": graphs[Phase.DECODE].tc_compiler,
                 "custom_ops": args.custom_ops,
+                "skinny_matmul_launch": args.skinny_matmul_launch,
                 "load_s": round(runner.load_s, 3),
                 "startup_s": round(startup_s, 3),
                 "compile_s": compile_info.get("total_s"),
@@ -288,8 +289,9 @@ def label(row: dict[str, Any]) -> str:
     """The decode path of a result row, e.g. `full+compile`, `full-inductor` (the captured
     graph over Inductor pieces) or `tc_piecewise-inductor`, and the prefill backend where it
     is not `disabled` (`full, prefill full`); an attention backend other than `triton` and a
-    `--custom-ops` selection too (`full, flashinfer`, `full, ops all,-skinny_matmul`), so that
-    rows of one file that differ only in those stay apart."""
+    `--custom-ops` selection and a skinny kernel's launch other than `plain` too (`full,
+    flashinfer`, `full, ops all,-skinny_matmul`, `full, launch pdl`), so that rows of one file
+    that differ only in those stay apart."""
     name = row["decode_backend"]
     if row.get("enable_torch_compile") and name == "full":
         name += "+compile"
@@ -301,6 +303,8 @@ def label(row: dict[str, Any]) -> str:
         name += f", {row['attention_backend']}"
     if row.get("custom_ops"):
         name += f", ops {row['custom_ops']}"
+    if row.get("skinny_matmul_launch") not in (None, "plain"):
+        name += f", launch {row['skinny_matmul_launch']}"
     return name
 
 

@@ -13,7 +13,8 @@ Without CUDA or without triton the reference always runs. The model runner resol
 selection once (`resolve_custom_ops`) and hands it to every `CustomOp` layer
 (`apply_custom_ops`); a layer decides at call time (`CustomOp.uses_kernel`), because one
 model object serves phases whose compilers differ. A layer that was never given a selection
-runs the reference.
+runs the reference. With the selection comes how the skinny matmul kernel launches
+(`--skinny-matmul-launch`), which its products pass to the op.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class CustomOp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.op_impls: dict[str, OpImpl] = {}
+        # The skinny matmul kernel's `pdl` (op_selection.SKINNY_LAUNCHES): a constant of the
+        # traced graph, like the selection.
+        self.skinny_launch = 0
 
     def uses_kernel(self, op: str) -> bool:
         impl = self.op_impls.get(op)
@@ -41,11 +45,13 @@ class CustomOp(nn.Module):
         return impl.kernel_in_inductor if in_inductor_trace() else impl.kernel
 
 
-def apply_custom_ops(model: nn.Module, impls: dict[str, OpImpl]) -> None:
-    """Give every `CustomOp` layer of `model` the resolved selection."""
+def apply_custom_ops(model: nn.Module, impls: dict[str, OpImpl], skinny_launch: int = 0) -> None:
+    """Give every `CustomOp` layer of `model` the resolved selection and the skinny matmul
+    kernel's launch."""
     for module in model.modules():
         if isinstance(module, CustomOp):
             module.op_impls = dict(impls)
+            module.skinny_launch = skinny_launch
 
 
 def custom_ops_info(impls: dict[str, OpImpl]) -> dict[str, OpImplInfo]:

@@ -69,28 +69,29 @@ def skinny_config(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> SkinnyC
 
 
 def _skinny_matmul_fake(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: int = 0
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @register_custom_op("skinny_matmul", mutates_args=(), fake_impl=_skinny_matmul_fake)
 def skinny_matmul_kernel(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: int = 0
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, by the skinny kernel where the table chose it."""
+    """`F.linear(x, weight, bias)`, by the skinny kernel where the table chose it, launched as
+    `launch` says (op_selection.SKINNY_LAUNCHES)."""
     config = skinny_config(x, weight, gated=False)
     if config is None:
         return F.linear(x, weight, bias)
     from srt.layers.triton_ops.skinny_matmul import skinny_matmul_into
 
     out = x.new_empty((x.shape[0], weight.shape[0]))
-    skinny_matmul_into(out, x, weight, bias, config)
+    skinny_matmul_into(out, x, weight, bias, config, pdl=launch)
     return out
 
 
 def _skinny_matmul_silu_and_mul_fake(
-    x: torch.Tensor, weight: torch.Tensor, silu_kernel: bool
+    x: torch.Tensor, weight: torch.Tensor, silu_kernel: bool, launch: int = 0
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
@@ -99,7 +100,7 @@ def _skinny_matmul_silu_and_mul_fake(
     "skinny_matmul_silu_and_mul", mutates_args=(), fake_impl=_skinny_matmul_silu_and_mul_fake
 )
 def skinny_matmul_silu_and_mul_kernel(
-    x: torch.Tensor, weight: torch.Tensor, silu_kernel: bool
+    x: torch.Tensor, weight: torch.Tensor, silu_kernel: bool, launch: int = 0
 ) -> torch.Tensor:
     """`silu_and_mul(F.linear(x, weight))` for the packed [gate; up] weight, in one launch of
     the skinny kernel where the table chose it; elsewhere cuBLAS, then the SiLU-and-mul kernel
@@ -111,7 +112,7 @@ def skinny_matmul_silu_and_mul_kernel(
     from srt.layers.triton_ops.skinny_matmul import skinny_matmul_into
 
     out = x.new_empty((x.shape[0], weight.shape[0] // 2))
-    skinny_matmul_into(out, x, weight, None, config, gated=True)
+    skinny_matmul_into(out, x, weight, None, config, gated=True, pdl=launch)
     return out
 
 
@@ -120,7 +121,7 @@ def linear(
 ) -> torch.Tensor:
     """`F.linear`, or the skinny op where `layer` runs the `skinny_matmul` kernel."""
     if layer.uses_kernel("skinny_matmul"):
-        return skinny_matmul_kernel(x, weight, bias)
+        return skinny_matmul_kernel(x, weight, bias, layer.skinny_launch)
     return F.linear(x, weight, bias)
 
 
@@ -144,9 +145,9 @@ def warm_skinny_matmuls(model: nn.Module) -> int:
                     continue
                 done.add(key)
                 if gated:
-                    skinny_matmul_silu_and_mul_kernel(x, weight, True)
+                    skinny_matmul_silu_and_mul_kernel(x, weight, True, layer.skinny_launch)
                 else:
-                    skinny_matmul_kernel(x, weight, None)
+                    skinny_matmul_kernel(x, weight, None, layer.skinny_launch)
     return len(done)
 
 
@@ -201,7 +202,7 @@ class Linear(CustomOp):
         product where the skinny kernel runs it."""
         if self.bias is None and self.uses_kernel("skinny_matmul"):
             return skinny_matmul_silu_and_mul_kernel(
-                x, self.weight, act.uses_kernel("silu_and_mul")
+                x, self.weight, act.uses_kernel("silu_and_mul"), self.skinny_launch
             )
         return act(self(x))
 

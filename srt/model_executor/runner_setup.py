@@ -16,12 +16,20 @@ from srt.compilation.cache import CompileCache
 from srt.compilation.cache_key import CacheFactors, collect_factors
 from srt.compilation.cache_root import CacheRoot
 from srt.distributed import min_over_ranks
+from srt.errors import ServerArgsError
 from srt.layers.custom_op import apply_custom_ops, custom_ops_info, describe_custom_ops
 from srt.layers.linear import skinny_table_fingerprint
 from srt.model_config import ModelConfig
 from srt.model_executor.graphs.config import Backend, Phase, PhaseConfig
 from srt.model_executor.kv_cache import kv_bytes_per_token
-from srt.op_selection import OpImpl, asks_for_kernels, kernels_missing, resolve_custom_ops
+from srt.op_selection import (
+    PDL_MIN_CAPABILITY,
+    SKINNY_LAUNCHES,
+    OpImpl,
+    asks_for_kernels,
+    kernels_missing,
+    resolve_custom_ops,
+)
 from srt.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -43,15 +51,35 @@ def init_cuda(device: torch.device, dtype: torch.dtype) -> None:
 def select_custom_ops(
     model: nn.Module, args: ServerArgs, device: torch.device
 ) -> dict[str, OpImpl]:
-    """Resolve `--custom-ops` for this device and give every layer its selection (before any
-    trace: it shapes the graph)."""
+    """Resolve `--custom-ops` for this device and give every layer its selection and the skinny
+    matmul kernel's launch (before any trace: they shape the graph)."""
     missing = kernels_missing(device.type)
     impls = resolve_custom_ops(args.custom_ops, missing)
     if missing is not None and asks_for_kernels(args.custom_ops):
         logger.warning("--custom-ops asks for kernels, but %s: the reference runs", missing)
-    apply_custom_ops(model, impls)
+    apply_custom_ops(model, impls, skinny_launch(args.skinny_matmul_launch, device))
     logger.info("custom ops: %s", "; ".join(describe_custom_ops(impls)))
     return impls
+
+
+def skinny_launch(launch: str, device: torch.device) -> int:
+    """`--skinny-matmul-launch` as the kernel's `pdl`; ServerArgsError where the device cannot
+    launch a programmatic dependent (griddepcontrol is Hopper's)."""
+    if launch != "plain":
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if capability is None or capability < PDL_MIN_CAPABILITY:
+            need = ".".join(map(str, PDL_MIN_CAPABILITY))
+            have = (
+                f"compute capability {'.'.join(map(str, capability))}"
+                if capability
+                else device.type
+            )
+            raise ServerArgsError(
+                "skinny_matmul_launch",
+                f"{launch} needs a CUDA GPU of compute capability {need} or newer, not {have}; "
+                "or choose --skinny-matmul-launch plain",
+            )
+    return SKINNY_LAUNCHES[launch]
 
 
 def kv_slots(

@@ -69,6 +69,7 @@ def _skinny_matmul_kernel(
     UPCAST_DOT: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_L2: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -76,12 +77,14 @@ def _skinny_matmul_kernel(
     safe_cols = tl.where(col_mask, cols, 0).to(tl.int64)
     if PDL:
         # Launched as a programmatic dependent: this grid may start while the kernel before it
-        # still runs. Let the next kernel start likewise (it waits for this whole grid in its
-        # own gdc_wait), and read nothing the kernels before wrote, nor write, until they end.
-        tl.extra.cuda.gdc_launch_dependents()
+        # ends. Nothing a kernel before wrote is read, nor anything written, before gdc_wait.
         if PREFETCH_L2:
-            # The weights are no kernel's output: stream this program's rows into L2 now.
-            row_bytes = tl.full([BLOCK_N], K * W.dtype.element_ty.primitive_bitwidth // 8, tl.int32)
+            # The weights are no kernel's output: the program's first tiles (what the loop's
+            # stages load first) start into L2 now. Only those: a whole matrix can exceed L2,
+            # and would then be read from memory twice.
+            row_bytes = tl.full(
+                [BLOCK_N], PREFETCH_K * W.dtype.element_ty.primitive_bitwidth // 8, tl.int32
+            )
             _prefetch_l2(W + safe_cols * stride_wn, row_bytes)
             if GATED:
                 _prefetch_l2(W + (safe_cols + up_offset) * stride_wn, row_bytes)
@@ -126,6 +129,11 @@ def _skinny_matmul_kernel(
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if PDL:
+        # The weights are read: let the next kernel's grid start (it waits for this whole grid
+        # in its gdc_wait). Not earlier: its waiting programs would hold SMs this grid's later
+        # waves need (r28: triggered at the start, 16 rows of the 1B products took 1.20x).
+        tl.extra.cuda.gdc_launch_dependents()
     dtype = OUT.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(BIAS + safe_cols).to(tl.float32)[:, None]
@@ -164,6 +172,12 @@ def skinny_matmul_into(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert weight.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == (rows, n)
     assert not (gated and bias is not None)
+    prefetch_bytes = min(k, config.block_k * config.num_stages) * weight.element_size()
+    # A bulk prefetch moves whole 16-byte units from a 16-byte aligned address: a weight whose
+    # rows do not start on one, or a prefix that does not end on one, is launched as a
+    # dependent only.
+    row_stride = weight.stride(0) * weight.element_size()
+    prefetch = pdl > 1 and (weight.data_ptr() | row_stride | prefetch_bytes) % 16 == 0
     _skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
@@ -189,7 +203,8 @@ def skinny_matmul_into(
         # are the same products, exactly.
         UPCAST_DOT=x.device.type == "cpu",
         PDL=pdl > 0,
-        PREFETCH_L2=pdl > 1,
+        PREFETCH_L2=prefetch,
+        PREFETCH_K=min(k, config.block_k * config.num_stages),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl > 0,
