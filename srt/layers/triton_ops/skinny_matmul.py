@@ -17,10 +17,11 @@ The weights are loaded with `evict_first`: they are read once per step and shoul
 the activations out of L2.
 
 `pdl` launches the kernel as a programmatic dependent of the one before it (sm_90): its
-programs start while that kernel ends and wait in `gdc_wait` before touching an activation,
-so a launch's start and the first loads' latency overlap the previous kernel; `pdl=2` also
-streams the program's weight rows into L2 before waiting (the weights are no kernel's
-output). Off by default until `scripts/probe_pdl.py` has measured it on the H200.
+programs may start while that kernel ends and wait in `gdc_wait` before touching an
+activation, and the next grid may start once this one's loop is done; `pdl=2` also prefetches
+the program's first weight tiles into L2 before waiting (the weights are no kernel's output).
+Off by default (`--skinny-matmul-launch`): r28-r30 measured 1-4% off a chain of these
+products alone, nothing off the step (docs/benchmarks.md).
 """
 
 from __future__ import annotations
