@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
-from srt.bench.skinny_matmul import products
+from srt.bench.skinny_matmul import products, replay_ms
 from srt.layers.skinny_matmul_table import SkinnyConfig, choose
 from srt.layers.triton_ops.skinny_matmul import skinny_matmul_into
 from srt.tools.model_shapes import MODEL_SHAPES
@@ -77,17 +76,7 @@ def time_mode(
     graph.replay()
     torch.cuda.synchronize()
     result = steps[-1][3].clone()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    del graph
-    return statistics.median(times), result
+    return replay_ms(graph, repeats, replays), result
 
 
 def main() -> None:

@@ -156,6 +156,11 @@ def chain_ms(
         for w in weights:
             call(x, w)
     graph.replay()
+    return replay_ms(graph, repeats, replays) / len(weights)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int, replays: int) -> float:
+    """ms per replay of `graph`: the median of `repeats` timings of `replays` back to back."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -164,8 +169,7 @@ def chain_ms(
             graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / replays / len(weights))
-    del graph
+        times.append(start.elapsed_time(end) / replays)
     return statistics.median(times)
 
 
