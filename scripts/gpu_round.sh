@@ -28,7 +28,8 @@
 #                        RUNNER_INPUT_LEN the prompt, default 128, into runner-SHAPE-ctxN;
 #                        RUNNER_BASELINE configs run again from the tree in .baseline)
 #   cold_start-SHAPE     the cold_start presets (COLD_START_CONFIGS overrides the list; with
-#                        COLD_START_EXTRA="NAME=FLAGS" one more configuration), each
+#                        COLD_START_EXTRA="NAME=FLAGS" one more configuration; with
+#                        COLD_START_BASELINE=1 the tree in .baseline's too, after), each
 #                        on every backend of COLD_START_ATTENTION where it is set (e.g.
 #                        "triton flashinfer": both backends' cold and warm starts, compared)
 #   frontend             srt.bench.frontend: the main process alone at a FRONTEND_STEP_MS step
@@ -222,6 +223,22 @@ cold_start() {
   step "cold_start-$shape" python3 -m srt.bench.cold_start --model-path "$CKPT" \
     --configs $configs "${extra[@]}" "${backends[@]}" --cache-root "$work/cold-$shape" \
     --output-file "$out/cold_start-$shape.json" --plot "$out/cold_start-$shape.png"
+  # COLD_START_BASELINE=1: the same starts of the tree in .baseline (srt/ of an earlier
+  # commit) after them, its modules' bytecode cached first where PYCACHE=1
+  if [ "${COLD_START_BASELINE:-0}" = 1 ] && [ -d .baseline/srt ]; then
+    local base="/tmp/site:$(realpath .baseline)"
+    [ "${PYCACHE:-0}" = 1 ] && env -C .baseline PYTHONPATH="$base" python3 -c "
+import importlib, pkgutil, srt
+for info in pkgutil.walk_packages(srt.__path__, 'srt.'):
+    try: importlib.import_module(info.name)
+    except Exception: pass"
+    rm -rf "$work/cold-$shape-baseline"
+    # shellcheck disable=SC2086
+    step "cold_start-$shape-baseline" env -C .baseline PYTHONPATH="$base" \
+      python3 -m srt.bench.cold_start --model-path "$CKPT" --configs $configs \
+      "${extra[@]}" "${backends[@]}" --cache-root "$work/cold-$shape-baseline" \
+      --output-file "$(realpath "$out")/cold_start-$shape-baseline.json"
+  fi
 }
 
 noloss() {  # 2,000 requests at concurrency 128, 128 prompt tokens and 256 new: every one must

@@ -102,6 +102,32 @@ def check_the_pool_compiles_the_kernels_a_sequential_compile_makes() -> None:
         assert len(ahead) == 3 and ahead == sequential
 
 
+def check_the_block_compiles_beside_the_work_between_its_steps() -> None:
+    """The model runner's use: the launches handed out in `launching()`, then work of its own
+    (the weight fill) while they compile, then `finish()`: nothing reaches the kernel's cache
+    before it, everything after, and the report's wait is only what came after the work."""
+    import time
+
+    from triton import knobs
+
+    from srt.compilation.triton_ahead import AheadBlock
+
+    with _no_gpu() as (kernel, _):
+        before = knobs.runtime.jit_cache_hook
+        block = AheadBlock(CPU, 2)
+        with block.launching() as report:
+            for scale in (2.0, 3.0):
+                assert _launch(kernel, scale) is None
+        assert knobs.runtime.jit_cache_hook is before  # put back at the first step's end
+        assert _cached(kernel) == {}  # no launch between the steps finds a kernel of the pool
+        time.sleep(3.0)  # longer than the two compiles
+        assert block.finish() is report
+        assert (report.kernels, report.failed, report.unfinished) == (2, 0, 0), report
+        assert len(_cached(kernel)) == 2
+        assert report.forwards_s < report.seconds and report.seconds >= 3.0, report
+        assert report.waited_s < 1.0, report  # the compiles ended during the work
+
+
 def check_a_failed_compile_is_counted_and_left_to_the_launch() -> None:
     from srt.compilation.triton_ahead import compile_ahead
 
@@ -187,6 +213,7 @@ def check_the_workers_compile_and_the_threads_only_load(
     [
         "check_launches_compile_on_the_pool_and_launch_nothing",
         "check_the_pool_compiles_the_kernels_a_sequential_compile_makes",
+        "check_the_block_compiles_beside_the_work_between_its_steps",
         "check_a_failed_compile_is_counted_and_left_to_the_launch",
         "check_a_compile_past_the_deadline_is_left_to_the_launch",
         "check_every_srt_kernel_compiles_ahead",

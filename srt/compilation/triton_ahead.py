@@ -58,6 +58,7 @@ class AheadReport:
     unfinished: int = 0  # still compiling at the deadline: left to their launch
     on_workers: int = 0  # compiled by a worker process (the thread only loaded them)
     seconds: float = 0.0  # from entering the block to the last compile's end
+    waited_s: float = 0.0  # of them, the wait in `finish` (after what ran between the steps)
     # What bounds the block: the forwards that hand out the compiles (from entering it to
     # the last launch), the longest compile on a worker and all of them together, and the
     # longest compile or load on a thread (after its worker's, where there was one).
@@ -162,36 +163,56 @@ def _pool(device: torch.device, threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, "triton-ahead", on_device)
 
 
-# How long leaving the block waits for the pool, at most: a compile that hangs must not hold
-# the start (what is unfinished then compiles at its launch, as without the pool).
+# How long the block waits for the pool, at most: a compile that hangs must not hold the
+# start (what is unfinished then compiles at its launch, as without the pool).
 WAIT_S = 300.0
 
 
-@contextmanager
-def compile_ahead(
-    device: torch.device,
-    threads: int,
-    wait_s: float = WAIT_S,
-    workers: CompileWorkers | None = None,
-) -> Iterator[AheadReport]:
-    """Inside: every Triton launch on `device` becomes a compile on `threads` threads (each
-    compiled by one of `workers` first, where given), and launches nothing (see the module
-    docstring). On leaving, wait for them all, for `wait_s` seconds at most."""
-    from triton import knobs
+class AheadBlock:
+    """A compile-ahead block in two steps: `launching()`, inside which every Triton launch on
+    `device` becomes a compile on `threads` threads (each compiled by one of `workers` first,
+    where given) and launches nothing (see the module docstring); then `finish()`, which waits
+    for them, `wait_s` seconds at most, and puts what they compiled into each kernel's cache.
+    Between the two the caller may do work that launches no Triton kernel (the model runner
+    loads the weights there), which the compiles then run beside."""
 
-    start = time.perf_counter()
-    report = AheadReport(threads)
-    pool = _pool(device, threads)
-    runtime = knobs.runtime
-    launches = _Launches(pool, runtime.jit_cache_hook, device.type == "cuda", workers)
-    runtime.jit_cache_hook = launches
-    try:
-        yield report
-    finally:
-        runtime.jit_cache_hook = launches.previous
-        report.forwards_s = time.perf_counter() - start
-        deadline = time.monotonic() + wait_s
-        for what, future in launches.futures:
+    def __init__(
+        self,
+        device: torch.device,
+        threads: int,
+        wait_s: float = WAIT_S,
+        workers: CompileWorkers | None = None,
+    ) -> None:
+        self.start = time.perf_counter()
+        self.report = AheadReport(threads)
+        self.wait_s = wait_s
+        self.pool = _pool(device, threads)
+        self.launches: _Launches | None = None
+        self.workers = workers
+        self.device = device
+
+    @contextmanager
+    def launching(self) -> Iterator[AheadReport]:
+        from triton import knobs
+
+        runtime = knobs.runtime
+        self.launches = _Launches(
+            self.pool, runtime.jit_cache_hook, self.device.type == "cuda", self.workers
+        )
+        runtime.jit_cache_hook = self.launches
+        try:
+            yield self.report
+        finally:
+            runtime.jit_cache_hook = self.launches.previous
+            self.report.forwards_s = time.perf_counter() - self.start
+
+    def finish(self) -> AheadReport:
+        """Wait for the compiles handed out (once), and install them; the report, filled."""
+        report = self.report
+        futures = self.launches.futures if self.launches is not None else []
+        waiting = time.perf_counter()
+        deadline = time.monotonic() + self.wait_s
+        for what, future in futures:
             try:
                 done = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
@@ -214,8 +235,28 @@ def compile_ahead(
             logger.warning(
                 "compile ahead: %d compile(s) still running after %.0f s, left to their launch",
                 report.unfinished,
-                wait_s,
+                self.wait_s,
             )
-        pool.shutdown(wait=not report.unfinished, cancel_futures=True)
-        report.kernels = len(launches.futures)
-        report.seconds = time.perf_counter() - start
+        self.pool.shutdown(wait=not report.unfinished, cancel_futures=True)
+        report.kernels = len(futures)
+        now = time.perf_counter()
+        report.waited_s = now - waiting
+        report.seconds = now - self.start
+        return report
+
+
+@contextmanager
+def compile_ahead(
+    device: torch.device,
+    threads: int,
+    wait_s: float = WAIT_S,
+    workers: CompileWorkers | None = None,
+) -> Iterator[AheadReport]:
+    """An `AheadBlock` whose two steps are entering and leaving the context: inside, every
+    Triton launch is handed to the pool; leaving waits for it (an error inside too)."""
+    block = AheadBlock(device, threads, wait_s, workers)
+    try:
+        with block.launching() as report:
+            yield report
+    finally:
+        block.finish()

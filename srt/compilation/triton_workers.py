@@ -42,11 +42,16 @@ MAX_WORKERS = 8
 def disk_cache_entries() -> int:
     """How many kernels Triton's disk cache holds (a directory each): none on a first start,
     where compiling ahead pays; a warm start's launches only load theirs, and the block's
-    extra forwards would cost more than they save (r17b: +0.2 s on the 1B warm start)."""
-    from triton import knobs
+    extra forwards would cost more than they save (r17b: +0.2 s on the 1B warm start).
+    Where the variable names the directory (srt's processes set it: `point_tool_caches`),
+    Triton is not imported for it: the runner asks while a thread may be importing Triton."""
+    path = os.environ.get("TRITON_CACHE_DIR")
+    if not path:  # Triton's own default, as it resolves it
+        from triton import knobs
 
+        path = knobs.cache.dir
     try:
-        return sum(1 for entry in os.scandir(knobs.cache.dir) if entry.is_dir())
+        return sum(1 for entry in os.scandir(path) if entry.is_dir())
     except OSError:  # not made yet: nothing compiled there
         return 0
 

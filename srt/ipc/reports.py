@@ -128,14 +128,14 @@ class CompileAheadInfo:
     """The warm-up's Triton kernels compiled side by side before it ran them
     (`srt.compilation.triton_ahead`): on how many threads, how many specialisations (compiled,
     or loaded from Triton's disk cache), how many failed or were unfinished at the deadline
-    (compiled at their launch), and the seconds (in the warm-up, whose part of the startup
-    breakdown leaves them out); then what the warm-up still compiled at a launch, one after
-    another (a kernel the pool never saw), and the seconds that took; and the worker processes
-    that compiled first (0: the threads alone), with how many kernels they compiled and when
-    they had all imported, from their start (None: one had not, at the block's end). What
-    bounds the block: when it began, from the workers' start; its forwards (entering it to
-    the last launch); the longest compile on a worker and all of theirs together; the
-    longest compile or load on a thread."""
+    (compiled at their launch), and the seconds it held the start (`s`: the weight fill that
+    ran beside it is the breakdown's `load`); then what the warm-up still compiled at a
+    launch, one after another (a kernel the pool never saw), and the seconds that took; and
+    the worker processes that compiled first (0: the threads alone), with how many kernels
+    they compiled and when they had all imported, from their start (None: one had not, at
+    the block's end). What bounds the block: when it began, from the workers' start; its
+    forwards (entering it to the last launch); the longest compile on a worker and all of
+    theirs together; the longest compile or load on a thread."""
 
     threads: int
     kernels: int
@@ -152,6 +152,11 @@ class CompileAheadInfo:
     longest_process_kernel: str = ""
     processes_s: float = 0.0
     longest_thread_s: float = 0.0
+    # The start's own work that ran between the two steps (the weight fill), its seconds:
+    # `s` is the block's part of the critical path (its forwards, then the wait after that
+    # work), `span_s` from its start to its end, the work between included.
+    beside_s: float = 0.0
+    span_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,14 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, int]:
     """The model on `device` with its weights, and the checkpoint bytes read for them (0 for
     dummy weights)."""
+    model = construct_model(config, device)
+    return model, fill_weights(model, config, device, load_format, seed)
+
+
+def construct_model(config: ModelConfig, device: torch.device) -> LlamaForCausalLM:
+    """The model on `device`, its parameters allocated and not filled (`fill_weights`): every
+    shape, dtype and device is final, so what is built on it (the KV cache's sizing, the
+    graphs, a forward that compiles kernels) does not wait for the weights."""
     try:
         model_cls = get_model_class(config.architecture)
     except ModelLoadError as e:
@@ -58,18 +66,29 @@ def load_model(
             model = model_cls(config)
     finally:
         torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def fill_weights(
+    model: LlamaForCausalLM,
+    config: ModelConfig,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> int:
+    """Fill the constructed model's parameters in place (`load_format` auto: from the
+    checkpoint; dummy: random); the checkpoint bytes read. Its device temporaries are a
+    reader's cast of one staging buffer at most, so it fits beside a KV cache already sized."""
     if load_format == "dummy":
         init_dummy_weights(model, seed)
-        bytes_read = 0
-    elif load_format == "auto":
-        bytes_read = load_weights(model, config.path, device)
-        if device.type == "cuda":
-            # Return the blocks of the load's temporaries (a cast's, on the readers' streams):
-            # KV sizing reads the free memory.
-            torch.cuda.empty_cache()
-    else:
+        return 0
+    if load_format != "auto":
         raise ValueError(f"--load-format: unknown format {load_format!r}; use auto or dummy")
-    return model.eval(), bytes_read
+    bytes_read = load_weights(model, config.path, device)
+    if device.type == "cuda":
+        # Return the blocks of the load's temporaries (a cast's, on the readers' streams).
+        torch.cuda.empty_cache()
+    return bytes_read
 
 
 def dummy_values(

@@ -14,7 +14,8 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from srt.batch_layout import ForwardMode
 from srt.compilation.cache_root import default_cache_root, open_cache_root, point_tool_caches
 from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
-from srt.compilation.triton_ahead import compile_ahead, start_hashing_triton
+from srt.compilation.triton_ahead import AheadBlock, start_hashing_triton
 from srt.compilation.triton_workers import CompileWorkers, disk_cache_entries
 from srt.distributed import (
     broadcast_object,
@@ -37,6 +38,7 @@ from srt.distributed import (
 from srt.forward_batch import ForwardBatch
 from srt.ipc.messages import BatchPlan, BatchResult
 from srt.ipc.reports import CompileAheadInfo, RankInfo, RunnerInfo
+from srt.layers.attention.base import AttentionBackend
 from srt.layers.attention.registry import attention_backend_class
 from srt.layers.custom_op import custom_ops_info
 from srt.layers.linear import warm_skinny_matmuls
@@ -47,7 +49,7 @@ from srt.model_executor.graphs.phase_forward import RunnerEnv
 from srt.model_executor.graphs.pool import GraphPool
 from srt.model_executor.jit_misses import JitMissLog, flashinfer_builds, install_hooks
 from srt.model_executor.kv_cache import KVCache
-from srt.model_executor.model_loader import load_model
+from srt.model_executor.model_loader import construct_model, fill_weights
 from srt.model_executor.runner_setup import (
     attention_backend_name,
     init_cuda,
@@ -119,7 +121,13 @@ class ModelRunner:
         self.graph_configs = resolve_graph_config(  # fail before loading
             args, self.device.type, attn_cls.graph_modes
         )
-        self.load_s = timed(self._load_model)
+        # The weights fill beside what the start waits for meanwhile: on a first start the
+        # compile-ahead block's compiles (after the graphs, below: its forwards need only the
+        # parameters' shapes), else Triton's hashing thread.
+        self.load_s = timed(self._construct_model)
+        ahead = self._wants_compile_ahead(attn_cls)
+        if not ahead:
+            self.load_s += timed(self._fill_weights)
         if self.attention_backend_name == "flashinfer":
             # Before anything else imports: the custom ops' kernels import Triton, as may it.
             flashinfer_support.module()
@@ -143,8 +151,15 @@ class ModelRunner:
         install_hooks()  # FlashInfer's module builds in the warm-up and captures, timed
         self.compile_ahead: CompileAheadInfo | None = None  # the warm-up's, if it runs
         start = dataclasses.replace(flashinfer_builds)
+        plans = warmup_plans(self.context_length)
         try:
-            warmup_s = 0.0 if args.skip_warmup else self._warm_up()
+            block = self._hand_out_compiles(plans) if ahead else None
+            if ahead:
+                filled_s = timed(self._fill_weights)  # while the block's compiles run
+                self.load_s += filled_s
+            if block is not None:
+                self._finish_compile_ahead(block, filled_s)
+            warmup_s = 0.0 if args.skip_warmup else self._warm_up(plans)
         finally:
             if compile_workers is not None:
                 compile_workers.shutdown()
@@ -152,8 +167,7 @@ class ModelRunner:
         capture_s = self._prewarm()
         # FlashInfer's builds as a part of the startup of their own, out of the two above.
         self.flashinfer_jit = flashinfer_builds.since(start)
-        ahead_s = self.compile_ahead.s if self.compile_ahead is not None else 0.0
-        self.warmup_s = warmup_s - warmed.since(start).s - ahead_s
+        self.warmup_s = warmup_s - warmed.since(start).s
         self.capture_s = capture_s - flashinfer_builds.since(warmed).s
         if self.flashinfer_jit.compiled or self.flashinfer_jit.loaded:
             logger.info(
@@ -175,9 +189,12 @@ class ModelRunner:
                 self.device = torch.device("cuda", self.tp.rank)
             init_cuda(self.device, self.config.dtype)
 
-    def _load_model(self) -> None:
-        self.model, self.load_bytes = load_model(
-            self.config, self.device, self.args.load_format, self.args.seed
+    def _construct_model(self) -> None:
+        self.model = construct_model(self.config, self.device)
+
+    def _fill_weights(self) -> None:
+        self.load_bytes = fill_weights(
+            self.model, self.config, self.device, self.args.load_format, self.args.seed
         )
         logger.info("loaded %s (%s)", self.config.architecture, self.config.dtype)
 
@@ -244,18 +261,12 @@ class ModelRunner:
         self.piecewise = env.piecewise  # the compiled phases' traced model, if any
         logger.info("split ops: %s", ", ".join(split_ops()))
 
-    def _warm_up(self) -> float:
+    def _warm_up(self, plans: list[BatchPlan]) -> float:
         """Run the `warmup` plans through each phase's general path, so that what compiles on
         first use compiles now; serving sees no state of it (the table row is restored, KV
         went to the dummy slot, random state is forked). Returns the seconds it took."""
         start = time.perf_counter()
-        plans = warmup_plans(self.context_length)
-        row = self.req_to_token[WARMUP_ROW].clone()
-        with (
-            torch.inference_mode(),
-            torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []),
-        ):
-            self._compile_ahead(plans)
+        with self._dummy_steps():
             # What still compiles at a launch now is a kernel the pool did not see: counted.
             missed = JitMissLog("in the warm-up, not compiled ahead")
             if self.compile_ahead is not None:
@@ -264,7 +275,6 @@ class ModelRunner:
                 runner = self.phase_runners[plan.mode]
                 batch, logits = runner.run_general(plan)
                 step_result(plan, logits, next_token_ids(plan, batch, logits, runner)).wait()
-            self.req_to_token[WARMUP_ROW].copy_(row)
             # The steps above ran one row count of decode: the skinny kernels of the others.
             skinny = warm_skinny_matmuls(self.model)
             if self.device.type == "cuda":
@@ -284,28 +294,51 @@ class ModelRunner:
         )
         return seconds
 
-    def _compile_ahead(self, plans: list[BatchPlan]) -> None:
-        """Compile the Triton kernels the warm-up launches side by side before it runs them:
-        its forwards and skinny launches once with every Triton launch a compile on a pool
-        (`srt.compilation.triton_ahead`; what they return is discarded). On CUDA only, where
-        the attention backend allows it and `--compile-threads` is not 0, and on a first
-        start (Triton's disk cache empty). If it fails, the warm-up compiles each kernel at
-        its first launch, as without it."""
-        threads = self.args.compile_threads
-        threads = usable_cpus() if threads is None else threads
-        if self.device.type != "cuda" or threads == 0 or not self.attn_backend.compiles_ahead:
-            return
+    @contextmanager
+    def _dummy_steps(self) -> Iterator[None]:
+        """Around steps that serving must not see: no autograd, the random state forked, the
+        warm-up's table row restored after (their KV goes to the dummy slot)."""
+        row = self.req_to_token[WARMUP_ROW].clone()
+        with (
+            torch.inference_mode(),
+            torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []),
+        ):
+            yield
+            self.req_to_token[WARMUP_ROW].copy_(row)
+
+    def _wants_compile_ahead(self, attn_cls: type[AttentionBackend]) -> bool:
+        """Whether this start compiles the warm-up's Triton kernels ahead, side by side: on
+        CUDA, where the attention backend allows it, `--compile-threads` is not 0, the
+        warm-up runs, and on a first start (Triton's disk cache empty)."""
+        args = self.args
+        if self.device.type != "cuda" or args.compile_threads == 0 or args.skip_warmup:
+            return False
+        if not attn_cls.compiles_ahead:
+            return False
         cached = disk_cache_entries()
+        if self.tp.size > 1:
+            # Rank 0's answer on every rank: the block's forwards hold collectives, which all
+            # must run or none (a rank whose cache differs only loads, or compiles at launch).
+            cached = broadcast_object(cached if self.tp.rank == 0 else None)
         if cached:
             logger.info(
                 "compile ahead skipped: Triton's disk cache holds %d kernel(s) already (a warm "
                 "start; one it lacks compiles at its launch and is logged)",
                 cached,
             )
-            return
-        began = time.time()
+        return not cached
+
+    def _hand_out_compiles(self, plans: list[BatchPlan]) -> AheadBlock | None:
+        """The compile-ahead block's first step (`srt.compilation.triton_ahead`): the warm-up's
+        forwards and skinny launches once, on the parameters before they are filled, every
+        Triton launch a compile on a pool (what they return is discarded). None if it fails:
+        the warm-up then compiles each kernel at its first launch, as without it."""
+        threads = self.args.compile_threads
+        threads = usable_cpus() if threads is None else threads
+        self.ahead_began = time.time()
+        block = AheadBlock(self.device, threads, workers=self.compile_workers)
         try:
-            with compile_ahead(self.device, threads, workers=self.compile_workers) as ahead:
+            with self._dummy_steps(), block.launching():
                 # Decode first: its attention kernel is the longest compile (r22, r25: 1.5-1.9
                 # s on a worker), and the block ends with the last compile handed out.
                 for plan in sorted(plans, key=lambda p: p.forward_mode != ForwardMode.DECODE):
@@ -317,24 +350,31 @@ class ModelRunner:
                         next_token_ids(plan, batch, logits, runner)
                 warm_skinny_matmuls(self.model)
         except Exception as e:
+            block.finish()  # what was handed out still lands in the kernels' caches
             logger.warning(
                 "compiling the warm-up's kernels ahead failed (%s: %s): each compiles at its "
                 "first launch",
                 type(e).__name__,
                 e,
             )
-            return
+            return None
+        return block
+
+    def _finish_compile_ahead(self, block: AheadBlock, beside_s: float) -> None:
+        """The block's second step: wait for its compiles, which ran beside `beside_s` seconds
+        of the start's own work (the weight fill), and report what bounded it."""
+        ahead = block.finish()
         workers = self.compile_workers
         processes = workers.processes if workers is not None else 0
         # When they were all ready and when the block began, from their start: a block that
         # began before they were ready waited for them.
         ready_s = workers.ready_after_s() if workers is not None else None
-        began_s = began - workers.started_at if workers is not None else None
+        began_s = self.ahead_began - workers.started_at if workers is not None else None
         self.compile_ahead = CompileAheadInfo(
-            threads,
+            ahead.threads,
             ahead.kernels,
             ahead.failed + ahead.unfinished,
-            round(ahead.seconds, 3),
+            round(ahead.forwards_s + ahead.waited_s, 3),
             processes=processes,
             in_processes=ahead.on_workers,
             processes_ready_s=round(ready_s, 3) if ready_s is not None else None,
@@ -344,6 +384,8 @@ class ModelRunner:
             longest_process_kernel=ahead.longest_worker_kernel,
             processes_s=round(ahead.worker_s, 3),
             longest_thread_s=round(ahead.longest_thread_s, 3),
+            beside_s=round(beside_s, 3),
+            span_s=round(ahead.seconds, 3),
         )
         left = ahead.failed + ahead.unfinished
         failed = f", {left} failed or unfinished (compiled at their launch)" if left else ""
@@ -357,13 +399,16 @@ class ModelRunner:
                 f"{ahead.worker_s:.2f} s in all)"
             )
         logger.info(
-            "compiled ahead: %d Triton kernel specialisation(s) on %d thread(s)%s in %.2f s "
-            "(its forwards %.2f s, the longest on a thread %.2f s)%s",
+            "compiled ahead: %d Triton kernel specialisation(s) on %d thread(s)%s in %.2f s, "
+            "%.2f s of them beside the weight fill (its forwards %.2f s, then waited %.2f s; "
+            "the longest on a thread %.2f s)%s",
             ahead.kernels,
-            threads,
+            ahead.threads,
             where,
             ahead.seconds,
+            beside_s,
             ahead.forwards_s,
+            ahead.waited_s,
             ahead.longest_thread_s,
             failed,
         )

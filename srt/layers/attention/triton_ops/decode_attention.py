@@ -23,8 +23,13 @@ from srt.layers.attention.triton_ops import LOG2E, head_constexprs
 from srt.layers.attention.triton_ops.kv_block import attend_kv
 
 BLOCK_N = 64  # keys per inner step; every split is a multiple of it
-MAX_SPLITS = 16  # the merge is unrolled over this many chunks
-MAX_CHUNKS = tl.constexpr(MAX_SPLITS)  # a kernel may read a module global only as a constexpr
+MAX_SPLITS = 16
+# The merge folds the chunks in groups of this many, each group unrolled (its loads all in
+# flight at once), the groups in a loop: a batch-1 step's 2-4 chunks take one turn, 16 take
+# four. Unrolled over all 16, the kernel was the longest compile of a first start (about
+# 1.4 s of Triton's passes and ptxas on one CPU, 0.8 s in groups of 4: the 1B shape,
+# `scripts/time_triton_compile.py`), which the start's compile-ahead block waits for.
+MERGE_GROUP = tl.constexpr(4)  # a kernel may read a module global only as a constexpr
 # The constants below are what `scripts/sweep_decode_attention.py` measures on the GPU (see
 # docs/benchmarks.md), over batches 1-128 and contexts 160-4,096 of the 1B and 8B heads.
 # Programs a bucket's grid aims for: with more, a long context at batch 8-64 streams
@@ -155,7 +160,7 @@ def _decode_kernel(
                     HEAD_DIM,
                     BLOCK_D,
                     BLOCK_G,
-                    MAX_CHUNKS,
+                    MERGE_GROUP,
                 )
                 tl.store(counter, 0)  # ready for the next layer's launch
 
@@ -175,13 +180,13 @@ def _merge_chunks(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
-    MAX_CHUNKS: tl.constexpr,
+    GROUP_CHUNKS: tl.constexpr,
 ):
     """Out's GROUP heads from `first_head` on = one request's chunks, each weighted by its
     share of the softmax (base 2); the pointers are the request's rows. The chunks are folded
     in one after another into a running max and sum over all of the group's heads at once,
-    unrolled over every chunk the bucket may have (those past `num_chunks` masked off): no
-    load waits on another, and no step reduces across threads (a reduction over the chunk axis
+    GROUP_CHUNKS at a time, unrolled (those past `num_chunks` masked off): no load of a group
+    waits on another, and no step reduces across threads (a reduction over the chunk axis
     costs a cross-warp exchange per head, which outweighs a batch-1 step's 2-3 chunks)."""
     offs_g = tl.arange(0, BLOCK_G)
     mask_g = offs_g < GROUP
@@ -193,22 +198,27 @@ def _merge_chunks(
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for chunk in tl.static_range(MAX_CHUNKS):
-        valid = chunk < num_chunks
-        # .cg: from L2, where the other programs' stores are (not a stale L1 line).
-        lse = tl.load(
-            lse_ptrs + chunk, mask=mask_g & valid, other=float("-inf"), cache_modifier=".cg"
-        )
-        partial = tl.load(
-            po_ptrs + chunk * stride_po_split, mask=mask & valid, other=0.0, cache_modifier=".cg"
-        )
-        # A padded head (past GROUP) never sees a finite lse: keep its max finite, no NaNs.
-        m_new = tl.where(mask_g, tl.maximum(m, lse), 0.0)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse - m_new)
-        total = total * alpha + weight
-        acc = acc * alpha[:, None] + weight[:, None] * partial
-        m = m_new
+    for first in range(0, num_chunks, GROUP_CHUNKS):
+        for offset in tl.static_range(GROUP_CHUNKS):
+            chunk = first + offset
+            valid = chunk < num_chunks
+            # .cg: from L2, where the other programs' stores are (not a stale L1 line).
+            lse = tl.load(
+                lse_ptrs + chunk, mask=mask_g & valid, other=float("-inf"), cache_modifier=".cg"
+            )
+            partial = tl.load(
+                po_ptrs + chunk * stride_po_split,
+                mask=mask & valid,
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            # A padded head (past GROUP) never sees a finite lse: keep its max finite, no NaNs.
+            m_new = tl.where(mask_g, tl.maximum(m, lse), 0.0)
+            alpha = tl.exp2(m - m_new)
+            weight = tl.exp2(lse - m_new)
+            total = total * alpha + weight
+            acc = acc * alpha[:, None] + weight[:, None] * partial
+            m = m_new
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(Out + heads[:, None] * stride_o_head + offs_d[None, :], out, mask=mask)
 
