@@ -126,6 +126,10 @@ def check_the_block_compiles_beside_the_work_between_its_steps() -> None:
         assert len(_cached(kernel)) == 2
         assert report.forwards_s < report.seconds and report.seconds >= 3.0, report
         assert report.waited_s < 1.0, report  # the compiles ended during the work
+        # The last to end: one of the kernel's, handed out in the forwards, ended in the work.
+        assert report.last_kernel == kernel.__name__, report
+        assert 0.0 <= report.last_handed_s <= report.forwards_s < report.last_done_s, report
+        assert report.last_done_s < 3.0 + report.forwards_s, report
 
 
 def check_a_failed_compile_is_counted_and_left_to_the_launch() -> None:

@@ -67,6 +67,12 @@ class AheadReport:
     longest_worker_kernel: str = ""  # the JIT function that compile was of
     worker_s: float = 0.0
     longest_thread_s: float = 0.0
+    # The compile that ended last, which ends the block where the work between its steps
+    # does not: its kernel, when it was handed out and when it ended, from entering the block
+    # (a late hand-out, or a long compile?).
+    last_kernel: str = ""
+    last_handed_s: float = 0.0
+    last_done_s: float = 0.0
 
 
 class _Launches:
@@ -81,7 +87,8 @@ class _Launches:
         self.previous = previous  # a hook installed before (srt's JIT miss timer), chained
         self.lock = threading.Lock()
         self.seen: set[tuple[int, str]] = set()
-        self.futures: list[tuple[str, Future[Any]]] = []
+        # Each compile handed out: what it is, when (perf_counter), and its future.
+        self.futures: list[tuple[str, float, Future[Any]]] = []
 
     def __call__(self, **kwargs: Any) -> bool | None:
         if kwargs["is_manual_warmup"]:  # the pool's own compile (preload): let it run
@@ -92,7 +99,7 @@ class _Launches:
                 self.seen.add((id(fn), kwargs["key"]))
                 spec = kwargs["compile"]["specialization_data"]
                 task = self.pool.submit(_compile, fn, spec, self.load, self.workers)
-                self.futures.append((kwargs["repr"], task))
+                self.futures.append((kwargs["repr"], time.perf_counter(), task))
         return True  # compile nothing and launch nothing now
 
 
@@ -102,6 +109,7 @@ class _Compiled:
     caches: dict[Any, Any]  # its copy's caches, holding the compiled kernel
     worker_s: float | None  # the worker's compile (None: no worker compiled it)
     thread_s: float  # this thread's compile or load after it
+    done_at: float  # when it ended (perf_counter)
 
 
 def _compile(fn: Any, spec: str, load: bool, workers: CompileWorkers | None) -> _Compiled:
@@ -126,7 +134,8 @@ def _compile(fn: Any, spec: str, load: bool, workers: CompileWorkers | None) -> 
     kernel = copy.preload(spec)
     if load and kernel is not None:
         kernel._init_handles()
-    return _Compiled(fn, copy.device_caches, worker_s, time.perf_counter() - start)
+    done_at = time.perf_counter()
+    return _Compiled(fn, copy.device_caches, worker_s, done_at - start, done_at)
 
 
 def start_hashing_triton() -> Future[None]:
@@ -212,7 +221,7 @@ class AheadBlock:
         futures = self.launches.futures if self.launches is not None else []
         waiting = time.perf_counter()
         deadline = time.monotonic() + self.wait_s
-        for what, future in futures:
+        for what, handed_at, future in futures:
             try:
                 done = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
@@ -229,6 +238,10 @@ class AheadBlock:
                     report.longest_worker_s = done.worker_s
                     report.longest_worker_kernel = done.fn.__name__
             report.longest_thread_s = max(report.longest_thread_s, done.thread_s)
+            if done.done_at - self.start > report.last_done_s:
+                report.last_kernel = done.fn.__name__
+                report.last_handed_s = handed_at - self.start
+                report.last_done_s = done.done_at - self.start
             for device_key, (kernels, *_) in done.caches.items():
                 done.fn.device_caches[device_key][0].update(kernels)
         if report.unfinished:

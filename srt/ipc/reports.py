@@ -128,14 +128,13 @@ class CompileAheadInfo:
     """The warm-up's Triton kernels compiled side by side before it ran them
     (`srt.compilation.triton_ahead`): on how many threads, how many specialisations (compiled,
     or loaded from Triton's disk cache), how many failed or were unfinished at the deadline
-    (compiled at their launch), and the seconds it held the start (`s`: the weight fill that
-    ran beside it is the breakdown's `load`); then what the warm-up still compiled at a
-    launch, one after another (a kernel the pool never saw), and the seconds that took; and
-    the worker processes that compiled first (0: the threads alone), with how many kernels
-    they compiled and when they had all imported, from their start (None: one had not, at
-    the block's end). What bounds the block: when it began, from the workers' start; its
-    forwards (entering it to the last launch); the longest compile on a worker and all of
-    theirs together; the longest compile or load on a thread."""
+    (compiled at their launch), and the seconds it held the start (`s`); then what the
+    warm-up still compiled at a launch, one after another (a kernel the pool never saw), and
+    the seconds that took; and the worker processes that compiled first (0: the threads
+    alone), with how many kernels they compiled and when they had all imported, from their
+    start (None: one had not, at the block's end). What bounds the block: when it began, from
+    the workers' start; its forwards (entering it to the last launch); the longest compile on
+    a worker and all of theirs together; the longest compile or load on a thread."""
 
     threads: int
     kernels: int
@@ -152,11 +151,17 @@ class CompileAheadInfo:
     longest_process_kernel: str = ""
     processes_s: float = 0.0
     longest_thread_s: float = 0.0
-    # The start's own work that ran between the two steps (the weight fill), its seconds:
-    # `s` is the block's part of the critical path (its forwards, then the wait after that
-    # work), `span_s` from its start to its end, the work between included.
+    # The weight fill's seconds that ran beside the start's other work (it fills on a thread
+    # from the model's construction to the block's end; the rest of it, waited for, is the
+    # breakdown's `load`): `s` is the block's part of the critical path (its forwards, then
+    # the wait for its compiles), `span_s` from its start to its end.
     beside_s: float = 0.0
     span_s: float = 0.0
+    # The compile that ended last: its kernel, when it was handed out and when it ended,
+    # from the block's start (a late hand-out, or a long compile?).
+    last_kernel: str = ""
+    last_handed_s: float = 0.0
+    last_done_s: float = 0.0
 
 
 @dataclass(frozen=True)
