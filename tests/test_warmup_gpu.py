@@ -179,8 +179,8 @@ def test_the_warmup_kernels_compile_ahead_and_change_no_id(
             assert ahead["missed"] == 0, ahead  # the warm-up compiled nothing at a launch
             # Each compiled in a worker process first (the threads then loaded it).
             assert ahead["processes"] > 0 and ahead["in_processes"] == ahead["kernels"], ahead
-            # The last compile to end, inside the block; the weights filled on a thread beside
-            # it (the ids below: the same as a start that filled them before anything ran).
+            # The last compile to end, inside the block; the weights filled between its steps
+            # (the ids below: the same as a start that filled them before anything ran).
             assert ahead["last_kernel"], ahead
             assert 0 <= ahead["last_handed_s"] < ahead["last_done_s"] <= ahead["span_s"], ahead
             assert ahead["beside_s"] >= 0, ahead

@@ -151,10 +151,9 @@ class CompileAheadInfo:
     longest_process_kernel: str = ""
     processes_s: float = 0.0
     longest_thread_s: float = 0.0
-    # The weight fill's seconds that ran beside the start's other work (it fills on a thread
-    # from the model's construction to the block's end; the rest of it, waited for, is the
-    # breakdown's `load`): `s` is the block's part of the critical path (its forwards, then
-    # the wait for its compiles), `span_s` from its start to its end.
+    # The start's own work that ran between the two steps (the weight fill, the breakdown's
+    # `load`), its seconds: `s` is the block's part of the critical path (its forwards, then
+    # the wait after that work), `span_s` from its start to its end, the work between included.
     beside_s: float = 0.0
     span_s: float = 0.0
     # The compile that ended last: its kernel, when it was handed out and when it ended,

@@ -15,7 +15,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from srt.batch_layout import ForwardMode
 from srt.compilation.cache_root import default_cache_root, open_cache_root, point_tool_caches
 from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
-from srt.compilation.triton_ahead import AheadBlock, AheadReport, start_hashing_triton
+from srt.compilation.triton_ahead import AheadBlock, start_hashing_triton
 from srt.compilation.triton_workers import CompileWorkers, disk_cache_entries
 from srt.distributed import (
     broadcast_object,
@@ -122,17 +121,13 @@ class ModelRunner:
         self.graph_configs = resolve_graph_config(  # fail before loading
             args, self.device.type, attn_cls.graph_modes
         )
-        # The weights fill beside what the start waits for meanwhile: on a first start, on a
-        # thread from here to the end of the compile-ahead block (below, after the graphs: its
-        # forwards need only the parameters' shapes), beside Triton's hash, the setup between
-        # and the block's forwards and compiles; else beside Triton's hashing thread.
-        self.construct_s = timed(self._construct_model)
+        # The weights fill beside what the start waits for meanwhile: on a first start the
+        # compile-ahead block's compiles (after the graphs, below: its forwards need only the
+        # parameters' shapes), else Triton's hashing thread.
+        self.load_s = timed(self._construct_model)
         ahead = self._wants_compile_ahead(attn_cls)
-        filling = self._start_filling() if ahead else None
-        # load_s: the load's part of the critical path (construction, then the fill or the wait
-        # for it); fill_s: the fill's own seconds, beside or not.
-        self.fill_s = 0.0 if ahead else timed(self._fill_weights)
-        self.load_s = self.construct_s + self.fill_s
+        if not ahead:
+            self.load_s += timed(self._fill_weights)
         if self.attention_backend_name == "flashinfer":
             # Before anything else imports: the custom ops' kernels import Triton, as may it.
             flashinfer_support.module()
@@ -159,13 +154,11 @@ class ModelRunner:
         plans = warmup_plans(self.context_length)
         try:
             block = self._hand_out_compiles(plans) if ahead else None
-            report = block.finish() if block is not None else None
-            if filling is not None:
-                waited = time.perf_counter()
-                self.fill_s = filling.result()  # its error, if it failed, raised here
-                self.load_s += time.perf_counter() - waited
-            if report is not None:
-                self._report_compile_ahead(report, self.construct_s + self.fill_s - self.load_s)
+            if ahead:
+                filled_s = timed(self._fill_weights)  # while the block's compiles run
+                self.load_s += filled_s
+            if block is not None:
+                self._finish_compile_ahead(block, filled_s)
             warmup_s = 0.0 if args.skip_warmup else self._warm_up(plans)
         finally:
             if compile_workers is not None:
@@ -205,31 +198,13 @@ class ModelRunner:
         )
         logger.info("loaded %s (%s)", self.config.architecture, self.config.dtype)
 
-    def _start_filling(self) -> Future[float]:
-        """`_fill_weights` on a thread, the seconds it took its result: what runs on this
-        thread meanwhile reads the parameters' shapes, never their values, until the result
-        is waited for (its copies are then done: the loader waits for its streams). The
-        fill's time is spent in the page cache's reads and the copies, outside the GIL."""
-        # An index-less device is this thread's current one (a new thread's is cuda:0).
-        device = torch.cuda.current_device() if self.device.index is None else self.device.index
-
-        def fill() -> float:
-            with torch.cuda.device(device):
-                return timed(self._fill_weights)
-
-        pool = ThreadPoolExecutor(1, "weight-fill")
-        future = pool.submit(fill)
-        pool.shutdown(wait=False)
-        return future
-
     def _load_gb_s(self) -> float | None:
         """The load's bandwidth, to 3 significant figures (a tiny model's is a small fraction
-        of a GB/s): over the fill's own seconds (beside other work or not) and the model's
-        construction on the device (a few milliseconds). No figure for dummy weights, which
-        read nothing."""
+        of a GB/s): over the whole of load_s, the model's construction on the device (a few
+        milliseconds) in it. No figure for dummy weights, which read nothing."""
         if not self.load_bytes:
             return None
-        return float(f"{self.load_bytes / (self.construct_s + self.fill_s) / 1e9:.3g}")
+        return float(f"{self.load_bytes / self.load_s / 1e9:.3g}")
 
     def _select_custom_ops(self) -> None:
         self.custom_ops = select_custom_ops(self.model, self.args, self.device)
@@ -385,9 +360,10 @@ class ModelRunner:
             return None
         return block
 
-    def _report_compile_ahead(self, ahead: AheadReport, beside_s: float) -> None:
-        """What the finished block compiled and what bounded it; `beside_s`: the seconds of
-        the weight fill that ran beside the start's other work (the rest it waited for)."""
+    def _finish_compile_ahead(self, block: AheadBlock, beside_s: float) -> None:
+        """The block's second step: wait for its compiles, which ran beside `beside_s` seconds
+        of the start's own work (the weight fill), and report what bounded it."""
+        ahead = block.finish()
         workers = self.compile_workers
         processes = workers.processes if workers is not None else 0
         # When they were all ready and when the block began, from their start: a block that
@@ -426,21 +402,21 @@ class ModelRunner:
                 f"{ahead.worker_s:.2f} s in all)"
             )
         logger.info(
-            "compiled ahead: %d Triton kernel specialisation(s) on %d thread(s)%s in %.2f s "
-            "(its forwards %.2f s, then waited %.2f s; the longest on a thread %.2f s; the last "
-            "to end %s, handed out at %.2f s, ended at %.2f s); the weight fill %.2f s beside "
-            "the start's other work%s",
+            "compiled ahead: %d Triton kernel specialisation(s) on %d thread(s)%s in %.2f s, "
+            "%.2f s of them beside the weight fill (its forwards %.2f s, then waited %.2f s; "
+            "the longest on a thread %.2f s; the last to end %s, handed out at %.2f s, ended "
+            "at %.2f s)%s",
             ahead.kernels,
             ahead.threads,
             where,
             ahead.seconds,
+            beside_s,
             ahead.forwards_s,
             ahead.waited_s,
             ahead.longest_thread_s,
             ahead.last_kernel,
             ahead.last_handed_s,
             ahead.last_done_s,
-            beside_s,
             failed,
         )
 
