@@ -153,12 +153,12 @@ class ModelRunner:
         start = dataclasses.replace(flashinfer_builds)
         plans = warmup_plans(self.context_length)
         try:
-            block = self._hand_out_compiles(plans) if ahead else None
             if ahead:
+                block = self._hand_out_compiles(plans)
                 filled_s = timed(self._fill_weights)  # while the block's compiles run
                 self.load_s += filled_s
-            if block is not None:
-                self._finish_compile_ahead(block, filled_s)
+                if block is not None:
+                    self._finish_compile_ahead(block, filled_s)
             warmup_s = 0.0 if args.skip_warmup else self._warm_up(plans)
         finally:
             if compile_workers is not None:
