@@ -1,0 +1,159 @@
+"""Graph passes: FX rewrites that Inductor runs on the graph it compiles, after
+functionalisation and decomposition and before lowering (its `post_grad_custom_post_pass`).
+
+A pass is registered by name where what it rewrites is defined (a layer op's fused-kernel
+pattern next to the op), as a function that rewrites an aten-level `fx.Graph` in place and
+returns how many places it changed:
+
+    @register_graph_pass("rms_norm_kernel")
+    def use_rms_norm_kernel(graph: fx.Graph) -> int:
+        '''The decomposed RMSNorm reference replaced by `srt::rms_norm`.'''
+        ...
+
+`--compile-passes` picks which run (`resolve_passes`); they run in the order registered
+passes are listed by `graph_passes()` (by name, unless a pass says it runs after others:
+`after=`), in every Inductor compile of the traced graph: each piece in the piecewise mode,
+the whole graph in the partition mode. A pass that must see the graph across the split ops
+(`whole_graph=True`: it changes a tensor's shape between two of them) is refused in the
+piecewise mode. Every run is logged with what it matched, and `applying` collects the counts
+(per pass, per compile) for the runner's compile report.
+
+Why Inductor's hook and not our own walk over the traced graph: after functionalisation the
+graph has no in-place ops or views to respect, every decomposition Inductor would apply has
+been applied (a pattern written as the reference is found as Inductor sees it), and what a
+pass leaves is what gets lowered. Registration imports nothing of Inductor: a pass builds
+what it needs (patterns, which trace with fake tensors) on its first run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from torch import fx
+
+logger = logging.getLogger(__name__)
+
+GraphPassFn = Callable[[fx.Graph], int]
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    name: str
+    run: GraphPassFn
+    doc: str  # the first line of the function's docstring
+    whole_graph: bool = False  # needs the partition mode (it sees across the split ops)
+    after: tuple[str, ...] = ()  # passes that run before this one when both are on
+
+
+_passes: dict[str, GraphPass] = {}
+
+
+def register_graph_pass(
+    name: str, *, whole_graph: bool = False, after: Sequence[str] = ()
+) -> Callable[[GraphPassFn], GraphPassFn]:
+    """Register the decorated function as the graph pass `name` (see the module docstring)."""
+
+    def decorator(fn: GraphPassFn) -> GraphPassFn:
+        if name in _passes and _passes[name].run is not fn:
+            raise ValueError(f"graph pass {name!r} is registered twice")
+        doc = (inspect.getdoc(fn) or "").strip().splitlines()
+        _passes[name] = GraphPass(name, fn, doc[0] if doc else "", whole_graph, tuple(after))
+        return fn
+
+    return decorator
+
+
+def graph_passes() -> dict[str, GraphPass]:
+    """Every registered pass, by name, in the order they run."""
+    order: list[str] = []
+
+    def visit(name: str, seen: tuple[str, ...]) -> None:
+        if name in order:
+            return
+        if name in seen:
+            raise ValueError(f"graph passes run after each other in a circle: {seen}")
+        for before in _passes[name].after:
+            if before in _passes:
+                visit(before, (*seen, name))
+        order.append(name)
+
+    for name in sorted(_passes):
+        visit(name, ())
+    return {name: _passes[name] for name in order}
+
+
+def resolve_passes(entries: Sequence[str] | None, default: Sequence[str] = ()) -> list[str]:
+    """The passes `--compile-passes entries` turns on, in run order: `none`, `all`, or names
+    (entries may be joined by commas); None gives `default`. ValueError (the message without
+    the flag's name) for an unknown name or `none`/`all` with names."""
+    known = graph_passes()
+    if entries is None:
+        chosen = set(default)
+    else:
+        items = [p.strip() for e in entries for p in e.split(",") if p.strip()]
+        if not items:
+            raise ValueError("expected 'none', 'all' or pass names, got nothing")
+        if ("none" in items or "all" in items) and len(items) > 1:
+            raise ValueError(f"'none' and 'all' stand alone, got {items}")
+        chosen = set(known) if items == ["all"] else set() if items == ["none"] else set(items)
+    unknown = sorted(chosen - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown graph pass(es) {unknown}; the passes are {', '.join(known) or 'none'}"
+        )
+    return [name for name in known if name in chosen]
+
+
+@dataclass
+class PassLog:
+    """What the passes matched: per pass, one count per Inductor compile it ran in."""
+
+    matches: dict[str, list[int]] = field(default_factory=dict)
+
+    def totals(self) -> dict[str, int]:
+        return {name: sum(counts) for name, counts in self.matches.items()}
+
+
+def _passes_uuid(passes: Sequence[GraphPass]) -> str:
+    """What Inductor's own caches key a compile with these passes by: the passes' names and
+    the source of the modules that define them."""
+    digest = hashlib.sha256()
+    for p in passes:
+        module = inspect.getmodule(p.run)
+        source = inspect.getsource(module) if module is not None else p.run.__qualname__
+        digest.update(f"{p.name}\0{source}\0".encode())
+    return digest.hexdigest()
+
+
+@contextmanager
+def applying(names: Sequence[str]) -> Iterator[PassLog]:
+    """Run the passes `names` in every Inductor compile inside (Inductor's config is patched
+    for the duration); the log fills as they run. No names: Inductor's config is untouched."""
+    log = PassLog({name: [] for name in names})
+    if not names:
+        yield log
+        return
+    import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    known = graph_passes()
+    passes = [known[name] for name in names]
+
+    class RegisteredPasses(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            for p in passes:
+                matched = p.run(graph)
+                log.matches[p.name].append(matched)
+                logger.info("graph pass %s: %d match(es)", p.name, matched)
+            graph.eliminate_dead_code()
+
+        def uuid(self) -> str:
+            return _passes_uuid(passes)
+
+    with inductor_config.patch(post_grad_custom_post_pass=RegisteredPasses()):
+        yield log
