@@ -131,6 +131,13 @@ class ServerArgs:
         "phase and, unless --enable-torch-compile, every full phase (which then captures the "
         "compiled forward).",
     )
+    inductor_graph_partition: bool = _opt(
+        False,
+        "Compile the whole traced graph with Inductor once, cut at the split ops at code "
+        "generation (Inductor's graph partition), instead of compiling each FX piece alone; "
+        "needs --cuda-graph-tc-compiler inductor. The capture kinds serve its partitions as "
+        "they serve pieces.",
+    )
     cuda_graph_bs_decode: list[int] | None = _opt(None, "Decode buckets (batch sizes).")
     cuda_graph_bs_prefill: list[int] | None = _opt(None, "Prefill buckets (token counts).")
     cuda_graph_max_bs_decode: int | None = _opt(None, "Largest decode bucket.")

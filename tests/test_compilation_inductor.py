@@ -292,6 +292,18 @@ def test_a_restart_with_another_context_length_recompiles(
     assert factors["config"]["model"]["context_length"] == 4096
 
 
+def test_the_cpu_graph_runs_whole(
+    tiny_llama: Path, tmp_path: Path, reference: list[list[int]]
+) -> None:
+    """The partition mode on the CPU: Inductor cuts partitions around GPU kernels only, so
+    there is nothing to cut; one compiled function, split ops inline (the partitions are
+    tests/test_compilation_partition.py's)."""
+    with tc_engine(tiny_llama, tmp_path, "inductor", inductor_graph_partition=True) as eng:
+        info = compile_info(eng)
+        assert greedy_ids(eng) == reference
+    assert (info["mode"], info["num_pieces"]) == ("partition", 0)
+
+
 def test_a_warm_start_without_a_cpp_compiler_says_why(
     tiny_llama: Path, cold: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

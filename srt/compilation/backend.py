@@ -1,7 +1,10 @@
 """The torch.compile backend: Dynamo hands it the traced forward once; it checks that the graph
 is general in the token count, splits it, compiles each distinct piece once per compiler, and
 returns the split graph with its pieces replaced by `Router` slots, as a `CompiledForward`
-that can be saved and, on a warm start, restored (its pieces loaded) without Dynamo."""
+that can be saved and, on a warm start, restored (its pieces loaded) without Dynamo. In the
+partition mode (`partition=True`, Inductor only) it compiles the whole graph instead, Inductor
+cutting it at the split ops, and routes the partitions through the same slots
+(`partition_compiler`), as a `PartitionedForward`."""
 
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from srt.compilation.piece_compiler import CompiledPiece, compile_piece, load_pi
 from srt.compilation.split import SplitGraph, piece_signature, readable_graph, split_graph
 
 if TYPE_CHECKING:
-    from srt.compilation.compiled_forward import CompiledForward
+    from srt.compilation.compiled_forward import CompiledForward, PartitionedForward
+    from srt.compilation.partition_compiler import CompiledWhole
 
 logger = logging.getLogger(__name__)
 
@@ -204,13 +208,18 @@ class PiecewiseBackend:
         router: Router,
         max_tokens: int,
         title: str,
+        partition: bool = False,
     ) -> None:
+        if partition and list(compilers) != ["inductor"]:
+            raise ValueError(f"the partition mode compiles with Inductor alone, not {compilers}")
+        self.partition = partition
         self.compilers = list(compilers)
         self.cache = cache
         self.router = router
         self.max_tokens = max_tokens
         self.title = title
-        self.split: SplitGraph | None = None
+        self.split: SplitGraph | None = None  # the piecewise mode's
+        self.num_partitions = 0  # the partition mode's
         self.signatures: list[str] = []
         self.general: dict[str, list[PieceFn]] = {}
         self.pieces_info: list[dict[str, Any]] = []
@@ -229,7 +238,9 @@ class PiecewiseBackend:
         ]
         return all(s == "loaded" for s in sources) if sources else None
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> CompiledForward:
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: list[Any]
+    ) -> CompiledForward | PartitionedForward:
         start = time.perf_counter()
         self.traces += 1
         fake_mode = detect_fake_mode(example_inputs)
@@ -238,6 +249,10 @@ class PiecewiseBackend:
         )
         check_token_guards(fake_mode.shape_env, self.max_tokens, self.decisions)
         check_size_one_ops(gm)
+        if self.partition:
+            forward = self._compile_whole(gm, example_inputs)
+            self.compile_s = time.perf_counter() - start
+            return forward
         split = split_graph(gm)
         logger.info(
             "split at %s: %d compilable pieces, %d split regions",
@@ -260,10 +275,23 @@ class PiecewiseBackend:
         self.compile_s = time.perf_counter() - start
         return forward
 
-    def restore(self, forward: CompiledForward) -> bool:
-        """Route a saved forward's pieces, each loaded from the cache (nothing traced or
-        compiled); False, routing nothing, when the cache lacks one of them."""
+    def restore(self, forward: CompiledForward | PartitionedForward) -> bool:
+        """Route a saved forward's pieces (or partitions), each loaded from the cache (nothing
+        traced or compiled); False, routing nothing, when the cache lacks one of them."""
+        from srt.compilation.compiled_forward import PartitionedForward
+        from srt.compilation.partition_compiler import load_whole
+
         start = time.perf_counter()
+        if isinstance(forward, PartitionedForward) != self.partition:
+            return False  # a capture of the other mode (the cache key tells them apart)
+        if isinstance(forward, PartitionedForward):
+            whole = load_whole(self.cache, forward.artifact, self.router.slot)
+            if whole is None:
+                logger.info("compile cache: no usable %s; tracing again", forward.artifact)
+                return False
+            self._set_whole(forward, whole)
+            self.compile_s = time.perf_counter() - start
+            return True
         split = forward.split
         missing: list[str] = []
 
@@ -279,6 +307,53 @@ class PiecewiseBackend:
             return False
         self.compile_s = time.perf_counter() - start
         return True
+
+    def _compile_whole(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> PartitionedForward:
+        """The partition mode: `gm` compiled whole by Inductor, cut at the split ops."""
+        from srt.compilation.compiled_forward import PartitionedForward
+        from srt.compilation.partition_compiler import compile_whole
+
+        signature = piece_signature(gm, example_inputs)
+        name = f"inductor-partition-{signature}-t{self.max_tokens}"
+        forward = PartitionedForward(name, signature)
+        whole = compile_whole(gm, example_inputs, self.cache, name, self.router.slot)
+        self._set_whole(forward, whole)
+        text = "\n".join(
+            [
+                f'"""{self.title}: the traced forward, compiled whole by Inductor with '
+                f"partitions at {', '.join(split_ops())} ({len(whole.partitions)} partitions; "
+                f'signature {signature})."""',
+                "",
+                gm.print_readable(print_output=False),
+            ]
+        )
+        self._write_graph(text)
+        return forward
+
+    def _set_whole(self, forward: PartitionedForward, whole: CompiledWhole) -> None:
+        forward.fn = whole.fn
+        signature = forward.signature
+        self.signatures = [signature]
+        self.num_partitions = len(whole.partitions)
+        self.pieces_info = [
+            {
+                "piece": "whole graph",
+                "partitions": self.num_partitions,
+                "signature": signature,
+                "inductor": {"source": whole.source, "s": round(whole.seconds, 3)},
+            }
+        ]
+        self.general = {"inductor": whole.partitions}
+        self.router.fallback = whole.partitions
+        logger.info(
+            "whole graph, inductor: %s in %.2f s, %d partitions at %s",
+            _HOW[whole.source],
+            whole.seconds,
+            self.num_partitions,
+            split_ops(),
+        )
 
     def _set_pieces(
         self,
@@ -306,15 +381,18 @@ class PiecewiseBackend:
             split.module.__dict__[name] = self.router.slot(i)
         self.router.fallback = self.general[self.compilers[0]]
         self.split = split
-        text = readable_graph(split, self.title, self.signatures)
+        self._write_graph(readable_graph(split, self.title, self.signatures))
+        return True
+
+    def _write_graph(self, text: str) -> None:
+        """The graph as compiled, readable, in the entry and in the structured trace."""
         path = self.cache.write_text("computation_graph.py", text)
-        logger.info("split graph written to %s", path)
+        logger.info("the graph as compiled written to %s", path)
         trace_structured(
             "artifact",
             metadata_fn=lambda: {"name": "srt_computation_graph", "encoding": "string"},
             payload_fn=lambda: text,
         )
-        return True
 
     def _pieces(
         self,

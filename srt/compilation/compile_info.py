@@ -18,6 +18,9 @@ class CompileInfo:
     """How the general graph was built: split, traced or loaded, compiled, and cached."""
 
     split_ops: tuple[str, ...]
+    # "piecewise": the FX graph split at the split ops, each piece compiled; "partition": the
+    # whole graph compiled by Inductor, cut at them (num_pieces counts its partitions).
+    mode: str | None
     num_pieces: int
     num_split_regions: int
     num_unique_pieces: int
@@ -32,6 +35,7 @@ class CompileInfo:
     traces: int  # 1 when traced, 0 when loaded
     # Per piece: `piece`, `submodule`, `signature`, and under each compiler's name its
     # `source` (compiled, loaded, shared, eager) and seconds `s` (`shares`: the piece shared).
+    # In the partition mode one entry, the whole graph, with its `partitions`.
     pieces: tuple[Mapping[str, Any], ...]
 
     @classmethod
@@ -39,6 +43,7 @@ class CompileInfo:
         """The section of a runner that compiles nothing: the split ops, zeros and empties."""
         return cls(
             split_ops=tuple(split_ops),
+            mode=None,
             num_pieces=0,
             num_split_regions=0,
             num_unique_pieces=0,

@@ -78,6 +78,7 @@ class PiecewiseModel:
         cache: CompileCache,
         max_tokens: int,
         keep_shape_guards: bool = False,
+        partition: bool = False,
     ) -> None:
         if max_tokens < MIN_TOKENS:
             raise ValueError(f"max_tokens must be at least {MIN_TOKENS}, got {max_tokens}")
@@ -86,12 +87,15 @@ class PiecewiseModel:
         self.cache = cache
         self.max_tokens = max_tokens
         self.keep_shape_guards = keep_shape_guards
+        self.partition = partition
         self.router = Router()
         self.backend = PiecewiseBackend(
-            self.compilers, cache, self.router, max_tokens, type(model).__name__
+            self.compilers, cache, self.router, max_tokens, type(model).__name__, partition
         )
-        # The saved capture serves every trace with these compilers and this token range.
-        self.capture_name = f"graph-{'-'.join(self.compilers)}-t{max_tokens}"
+        # The saved capture serves every trace with these compilers, this mode and this
+        # token range.
+        mode = "-partition" if partition else ""
+        self.capture_name = f"graph-{'-'.join(self.compilers)}{mode}-t{max_tokens}"
         self.forward: AOTCompiledFunction | None = None
         self.graph_source: str | None = None  # "traced" or "loaded" (from the cache)
         self.dynamo_s = 0.0
@@ -149,11 +153,14 @@ class PiecewiseModel:
         saved = self.cache.load_artifact(self.capture_name, _load_capture)
         if saved is None:
             return None
-        from srt.compilation.compiled_forward import CompiledForward
+        from srt.compilation.compiled_forward import CompiledForward, PartitionedForward
 
-        # The deserialised backend output: the split graph, to route through loaded pieces.
+        # The deserialised backend output: the split graph, to route through loaded pieces
+        # (or the whole graph's artifact name, in the partition mode).
         forward = saved._artifacts.compiled_fn
-        if not isinstance(forward, CompiledForward) or not self.backend.restore(forward):
+        if not isinstance(forward, CompiledForward | PartitionedForward):
+            return None
+        if not self.backend.restore(forward):
             return None
         return saved
 
@@ -205,7 +212,8 @@ class PiecewiseModel:
             )
 
     def general(self, compiler: str) -> list[PieceFn]:
-        """The general callable of each piece for `compiler` (one of those traced with)."""
+        """The general callable of each piece (each partition, in the partition mode) for
+        `compiler` (one of those traced with)."""
         return self.backend.general[compiler]
 
     def __call__(
@@ -223,7 +231,8 @@ class PiecewiseModel:
         split = self.backend.split
         return CompileInfo(
             split_ops=tuple(split_ops()),
-            num_pieces=len(split.pieces) if split else 0,
+            mode="partition" if self.partition else "piecewise",
+            num_pieces=len(split.pieces) if split else self.backend.num_partitions,
             num_split_regions=len(split.regions) if split else 0,
             num_unique_pieces=len(set(self.backend.signatures)),
             compilers=tuple(self.compilers),

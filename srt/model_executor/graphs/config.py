@@ -150,9 +150,19 @@ def resolve_graph_config(
         phase: _resolve_phase(phase, overrides.get(phase.value, {}), args, device, graph_modes)
         for phase in Phase
     }
-    if args.cuda_graph_tc_compiler is not None and not any(
-        c.tc_compiler is not None for c in configs.values()
-    ):
+    compilers = {c.tc_compiler for c in configs.values() if c.tc_compiler is not None}
+    if args.inductor_graph_partition and compilers - {"inductor"}:
+        raise GraphConfigError(
+            "--inductor-graph-partition compiles the whole graph with Inductor: every phase "
+            f"that runs the compiled graph needs --cuda-graph-tc-compiler inductor, not "
+            f"{sorted(compilers - {'inductor'})}"
+        )
+    if args.inductor_graph_partition and not compilers:
+        logger.warning(
+            "--inductor-graph-partition is ignored: no phase runs the compiled graph (set "
+            "--cuda-graph-tc-compiler inductor with tc_piecewise or full)"
+        )
+    if args.cuda_graph_tc_compiler is not None and not compilers:
         # As SGLang does, a compiler that nothing uses is ignored, not refused.
         logger.warning(
             "--cuda-graph-tc-compiler %s is ignored: no phase uses tc_piecewise or full "

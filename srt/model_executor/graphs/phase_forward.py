@@ -9,10 +9,11 @@ that serves any shape, moving no bucket state or counter (the warm-up before rea
   its reference as `--custom-ops` chose;
 - `GeneralGraphForward`: the model traced once, split at the split ops, its pieces compiled
   once for every token count (`tc_compiler` eager or inductor) and cached, attention ops
-  between them. Both phases share the one `PiecewiseModel`. Once a capture kind routes its
-  pieces (`route_pieces`: tc_piecewise's CUDA graph per piece) a bucket's piece calls go to
-  that specializer; otherwise every call runs the general pieces (a whole-forward capture
-  records those);
+  between them (with `--inductor-graph-partition`, the whole graph compiled by Inductor, cut
+  at the split ops into partitions that stand for the pieces). Both phases share the one
+  `PiecewiseModel`. Once a capture kind routes its pieces (`route_pieces`: tc_piecewise's CUDA
+  graph per piece) a bucket's piece calls go to that specializer; otherwise every call runs
+  the general pieces (a whole-forward capture records those);
 - `PerBucketCompiledForward`: SGLang's `--enable-torch-compile`: the forward compiled by
   Inductor for each bucket's static shape up to `--torch-compile-max-bs`, on its first hit.
 
@@ -222,6 +223,7 @@ def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
         # request count; padding goes up to the largest bucket.
         max_tokens=max(args.max_prefill_tokens, args.max_running_requests, largest, MIN_TOKENS),
         keep_shape_guards=args.keep_shape_guards,
+        partition=args.inductor_graph_partition,
     )
     # Trace with the largest bucket's size: Inductor tunes the general graph for its hint.
     width = env.req_to_token.shape[1]
