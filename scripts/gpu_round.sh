@@ -22,7 +22,9 @@
 #                        skinny kernel launched as a programmatic dependent (full-pdl,
 #                        full-pdl-prefetch, not in the default list either), full over
 #                        Inductor pieces, breakable, tc_piecewise eager and inductor, full
-#                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF)
+#                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF);
+#                        not in the default list: the partition mode under tc_piecewise
+#                        (tc-partition) and full (full-partition)
 #                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists, an
 #                        empty HF_METHODS runs none;
 #                        RUNNER_INPUT_LEN the prompt, default 128, into runner-SHAPE-ctxN;
@@ -156,6 +158,8 @@ runner() {  # the decode paths of srt and the alternatives on one shape
     [breakable]="--cuda-graph-backend-decode breakable"
     [tc-eager]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler eager"
     [tc-inductor]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor"
+    [tc-partition]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor --inductor-graph-partition"
+    [full-partition]="--cuda-graph-backend-decode full --cuda-graph-tc-compiler inductor --inductor-graph-partition"
     [prefill-full]="--cuda-graph-backend-decode full --cuda-graph-backend-prefill full"
     [full-flashinfer]="--cuda-graph-backend-decode full --attention-backend flashinfer"
     [full-pdl]="--cuda-graph-backend-decode full --skinny-matmul-launch pdl"

@@ -382,9 +382,21 @@ def test_every_file_and_directory_the_cache_writes_is_private(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("capture", "partition"),
+    [("tc_piecewise", False), ("tc_piecewise", True), ("full", True)],
+    ids=["pieces", "partitions", "full-partition"],
+)
 def test_cuda_pieces_with_graphs_match_eager_and_warm_start(
-    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capture: str,
+    partition: bool,
 ) -> None:
+    """Both phases captured over the Inductor-compiled graph: per piece (the FX pieces or, in
+    the partition mode, Inductor's partitions) or whole; eager's ids, cold and warm."""
+
     def engine(**kwargs: Any) -> Engine:
         return Engine(
             model_path=str(tiny_llama),
@@ -399,17 +411,24 @@ def test_cuda_pieces_with_graphs_match_eager_and_warm_start(
     with engine(disable_cuda_graph=True) as eager:
         expected = greedy_ids(eager)
     tc = {
-        "cuda_graph_backend_prefill": "tc_piecewise",
-        "cuda_graph_backend_decode": "tc_piecewise",
+        "cuda_graph_backend_prefill": capture,
+        "cuda_graph_backend_decode": capture,
         "cuda_graph_tc_compiler": "inductor",
+        "inductor_graph_partition": partition,
         "compile_cache_dir": str(tmp_path),
     }
     with engine(**tc) as cold:
         assert greedy_ids(cold) == expected
         assert greedy_ids(cold) == expected  # replays the captured pieces
-        assert compile_info(cold)["cache_hit"] is False
-        decode = cold.get_server_info()["graphs"]["decode"]["buckets"]
-        assert any(b["state"] == "captured" and b["replays"] > 1 for b in decode)
+        info = compile_info(cold)
+        assert info["cache_hit"] is False
+        assert info["mode"] == ("partition" if partition else "piecewise")
+        assert info["num_pieces"] == 3  # two layers: three pieces, or three partitions
+        graphs = cold.get_server_info()["graphs"]["decode"]
+        assert any(b["state"] == "captured" and b["replays"] > 1 for b in graphs["buckets"])
+        if capture == "tc_piecewise":  # every piece of every captured bucket
+            captured = graphs["capture"]["pieces_captured"]
+            assert captured == 3 * len(graphs["captured"]), graphs
     calls = count_inductor_compiles(monkeypatch)
     with engine(**tc) as warm:
         assert greedy_ids(warm) == expected

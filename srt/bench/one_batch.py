@@ -239,12 +239,14 @@ def bench(
                 "decode_backend": graphs[Phase.DECODE].backend.value,
                 "enable_torch_compile": args.enable_torch_compile,
                 "tc_compiler": graphs[Phase.DECODE].tc_compiler,
+                "graph_partition": compile_info.get("mode") == "partition",
                 "custom_ops": args.custom_ops,
                 "skinny_matmul_launch": args.skinny_matmul_launch,
                 "load_s": round(runner.load_s, 3),
                 "startup_s": round(startup_s, 3),
                 "compile_s": compile_info.get("total_s"),
                 "compile_cache_hit": compile_info.get("cache_hit"),
+                "compile_graph_s": compile_info.get("compile_s"),  # pieces or the whole graph
                 "batch_size": b,
                 "input_len": input_len,
                 "output_len": output_len,
@@ -287,7 +289,8 @@ def bench(
 
 def label(row: dict[str, Any]) -> str:
     """The decode path of a result row, e.g. `full+compile`, `full-inductor` (the captured
-    graph over Inductor pieces) or `tc_piecewise-inductor`, and the prefill backend where it
+    graph over Inductor pieces) or `tc_piecewise-inductor` (`-partition`: the whole graph
+    compiled, cut at the split ops), and the prefill backend where it
     is not `disabled` (`full, prefill full`); an attention backend other than `triton` and a
     `--custom-ops` selection and a skinny kernel's launch other than `plain` too (`full,
     flashinfer`, `full, ops all,-skinny_matmul`, `full, launch pdl`), so that rows of one file
@@ -297,6 +300,8 @@ def label(row: dict[str, Any]) -> str:
         name += "+compile"
     elif name in ("full", "tc_piecewise") and row.get("tc_compiler"):
         name += f"-{row['tc_compiler']}"
+        if row.get("graph_partition"):
+            name += "-partition"
     if row.get("prefill_backend") not in (None, "disabled"):
         name += f", prefill {row['prefill_backend']}"
     if row.get("attention_backend") not in (None, "triton"):
