@@ -250,9 +250,9 @@ class PiecewiseBackend:
         check_token_guards(fake_mode.shape_env, self.max_tokens, self.decisions)
         check_size_one_ops(gm)
         if self.partition:
-            forward = self._compile_whole(gm, example_inputs)
+            partitioned = self._compile_whole(gm, example_inputs)
             self.compile_s = time.perf_counter() - start
-            return forward
+            return partitioned
         split = split_graph(gm)
         logger.info(
             "split at %s: %d compilable pieces, %d split regions",
