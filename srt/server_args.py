@@ -138,6 +138,12 @@ class ServerArgs:
         "needs --cuda-graph-tc-compiler inductor. The capture kinds serve its partitions as "
         "they serve pieces.",
     )
+    compile_passes: list[str] | None = _opt(
+        None,
+        "Graph passes Inductor runs on the graph it compiles, before lowering (each piece, or "
+        "the whole graph with --inductor-graph-partition): none, all, or pass names, joined "
+        "by commas or spaces (docs/compilation.md lists them). Default: none.",
+    )
     cuda_graph_bs_decode: list[int] | None = _opt(None, "Decode buckets (batch sizes).")
     cuda_graph_bs_prefill: list[int] | None = _opt(None, "Prefill buckets (token counts).")
     cuda_graph_max_bs_decode: int | None = _opt(None, "Largest decode bucket.")

@@ -28,6 +28,7 @@ from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 from srt.compilation.cache import CompileCache
 from srt.compilation.dispatch import PieceFn, Router
 from srt.compilation.errors import ShapeSpecializationError
+from srt.compilation.graph_passes import applying, passes_tag, whole_graph_passes
 from srt.compilation.op_registry import split_ops
 from srt.compilation.piece_compiler import CompiledPiece, compile_piece, load_piece
 from srt.compilation.split import SplitGraph, piece_signature, readable_graph, split_graph
@@ -209,10 +210,20 @@ class PiecewiseBackend:
         max_tokens: int,
         title: str,
         partition: bool = False,
+        passes: Sequence[str] = (),
     ) -> None:
         if partition and list(compilers) != ["inductor"]:
             raise ValueError(f"the partition mode compiles with Inductor alone, not {compilers}")
+        if passes and "inductor" not in compilers:
+            raise ValueError(f"graph passes run inside Inductor, not {compilers}")
+        whole = whole_graph_passes(passes)
+        if whole and not partition:
+            raise ValueError(f"graph passes {whole} see across the split ops: partition mode only")
         self.partition = partition
+        self.passes = tuple(passes)
+        # Every artifact's name ends with it: one compiled with other passes is another.
+        self.passes_tag = passes_tag(passes)
+        self.pass_matches: dict[str, int] | None = None  # per pass, when compiled here
         self.compilers = list(compilers)
         self.cache = cache
         self.router = router
@@ -249,10 +260,19 @@ class PiecewiseBackend:
         )
         check_token_guards(fake_mode.shape_env, self.max_tokens, self.decisions)
         check_size_one_ops(gm)
+        with applying(self.passes) as log:
+            forward = self._compile(gm, example_inputs, fake_mode)
+        # Passes run only in the compiles that did not load (a loaded artifact has them).
+        ran = any(log.matches.values())
+        self.pass_matches = log.totals() if ran else None
+        self.compile_s = time.perf_counter() - start
+        return forward
+
+    def _compile(
+        self, gm: fx.GraphModule, example_inputs: list[Any], fake_mode: Any
+    ) -> CompiledForward | PartitionedForward:
         if self.partition:
-            partitioned = self._compile_whole(gm, example_inputs)
-            self.compile_s = time.perf_counter() - start
-            return partitioned
+            return self._compile_whole(gm, example_inputs)
         split = split_graph(gm)
         logger.info(
             "split at %s: %d compilable pieces, %d split regions",
@@ -272,7 +292,6 @@ class PiecewiseBackend:
                 compiler, split.submodule(name), args[name], self.cache, artifact
             ),
         )
-        self.compile_s = time.perf_counter() - start
         return forward
 
     def restore(self, forward: CompiledForward | PartitionedForward) -> bool:
@@ -316,7 +335,7 @@ class PiecewiseBackend:
         from srt.compilation.partition_compiler import compile_whole
 
         signature = piece_signature(gm, example_inputs)
-        name = f"inductor-partition-{signature}-t{self.max_tokens}"
+        name = f"inductor-partition-{signature}-t{self.max_tokens}{self.passes_tag}"
         forward = PartitionedForward(name, signature)
         whole = compile_whole(gm, example_inputs, self.cache, name, self.router.slot)
         self._set_whole(forward, whole)
@@ -421,7 +440,8 @@ class PiecewiseBackend:
                 continue
             first_with[sig] = i
             # The token range shapes codegen, so it is part of the name.
-            piece = build(compiler, name, f"{compiler}-{sig}-t{self.max_tokens}")
+            tag = self.passes_tag if compiler == "inductor" else ""
+            piece = build(compiler, name, f"{compiler}-{sig}-t{self.max_tokens}{tag}")
             if piece is None:
                 return None
             fns.append(piece.fn)

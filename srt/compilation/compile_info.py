@@ -21,6 +21,10 @@ class CompileInfo:
     # "piecewise": the FX graph split at the split ops, each piece compiled; "partition": the
     # whole graph compiled by Inductor, cut at them (num_pieces counts its partitions).
     mode: str | None
+    passes: tuple[str, ...]  # the graph passes the compiles ran with (`--compile-passes`)
+    # What each matched over this start's compiles; None when nothing was compiled here (the
+    # artifacts, loaded, were rewritten by them when compiled).
+    pass_matches: Mapping[str, int] | None
     num_pieces: int
     num_split_regions: int
     num_unique_pieces: int
@@ -44,6 +48,8 @@ class CompileInfo:
         return cls(
             split_ops=tuple(split_ops),
             mode=None,
+            passes=(),
+            pass_matches=None,
             num_pieces=0,
             num_split_regions=0,
             num_unique_pieces=0,

@@ -109,6 +109,21 @@ def resolve_passes(entries: Sequence[str] | None, default: Sequence[str] = ()) -
     return [name for name in known if name in chosen]
 
 
+def passes_tag(names: Sequence[str]) -> str:
+    """What the names of artifacts compiled with the passes `names` end with ("" for none):
+    a compile with other passes is another artifact (the compile cache's code factor covers
+    what the passes do)."""
+    if not names:
+        return ""
+    return "-passes-" + hashlib.sha256(",".join(names).encode()).hexdigest()[:10]
+
+
+def whole_graph_passes(names: Sequence[str]) -> list[str]:
+    """Those of the passes `names` that need the partition mode."""
+    known = graph_passes()
+    return [name for name in names if known[name].whole_graph]
+
+
 @dataclass
 class PassLog:
     """What the passes matched: per pass, one count per Inductor compile it ran in."""

@@ -79,6 +79,7 @@ class PiecewiseModel:
         max_tokens: int,
         keep_shape_guards: bool = False,
         partition: bool = False,
+        passes: Sequence[str] = (),
     ) -> None:
         if max_tokens < MIN_TOKENS:
             raise ValueError(f"max_tokens must be at least {MIN_TOKENS}, got {max_tokens}")
@@ -90,12 +91,14 @@ class PiecewiseModel:
         self.partition = partition
         self.router = Router()
         self.backend = PiecewiseBackend(
-            self.compilers, cache, self.router, max_tokens, type(model).__name__, partition
+            self.compilers, cache, self.router, max_tokens, type(model).__name__, partition, passes
         )
-        # The saved capture serves every trace with these compilers, this mode and this
-        # token range.
+        # The saved capture serves every trace with these compilers, this mode, these passes
+        # and this token range.
         mode = "-partition" if partition else ""
-        self.capture_name = f"graph-{'-'.join(self.compilers)}{mode}-t{max_tokens}"
+        self.capture_name = (
+            f"graph-{'-'.join(self.compilers)}{mode}-t{max_tokens}{self.backend.passes_tag}"
+        )
         self.forward: AOTCompiledFunction | None = None
         self.graph_source: str | None = None  # "traced" or "loaded" (from the cache)
         self.dynamo_s = 0.0
@@ -232,6 +235,8 @@ class PiecewiseModel:
         return CompileInfo(
             split_ops=tuple(split_ops()),
             mode="partition" if self.partition else "piecewise",
+            passes=self.backend.passes,
+            pass_matches=self.backend.pass_matches,
             num_pieces=len(split.pieces) if split else self.backend.num_partitions,
             num_split_regions=len(split.regions) if split else 0,
             num_unique_pieces=len(set(self.backend.signatures)),

@@ -43,7 +43,7 @@ from srt.layers.attention.registry import attention_backend_class
 from srt.layers.custom_op import custom_ops_info
 from srt.layers.linear import warm_skinny_matmuls
 from srt.model_config import ModelConfig
-from srt.model_executor.graphs.config import resolve_graph_config
+from srt.model_executor.graphs.config import resolve_compile_passes, resolve_graph_config
 from srt.model_executor.graphs.graph_runner import GraphRunner, init_attention_graph_state
 from srt.model_executor.graphs.phase_forward import RunnerEnv
 from srt.model_executor.graphs.pool import GraphPool
@@ -121,6 +121,7 @@ class ModelRunner:
         self.graph_configs = resolve_graph_config(  # fail before loading
             args, self.device.type, attn_cls.graph_modes
         )
+        self.compile_passes = resolve_compile_passes(args, self.graph_configs)
         # The weights fill beside what the start waits for meanwhile: on a first start the
         # compile-ahead block's compiles (after the graphs, below: its forwards need only the
         # parameters' shapes), else Triton's hashing thread.
@@ -253,6 +254,7 @@ class ModelRunner:
             self.compile_cache,
             self.args,
             self.graph_configs,
+            self.compile_passes,
         )
         self.phase_runners = {
             phase.mode: GraphRunner(phase, c, env) for phase, c in self.graph_configs.items()

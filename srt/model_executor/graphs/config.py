@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from srt.batch_layout import ForwardMode
+from srt.compilation.graph_passes import resolve_passes, whole_graph_passes
 from srt.compilation.piece_compiler import COMPILERS
 from srt.server_args import ServerArgs
 
@@ -170,6 +171,29 @@ def resolve_graph_config(
             args.cuda_graph_tc_compiler,
         )
     return configs
+
+
+def resolve_compile_passes(args: ServerArgs, configs: dict[Phase, PhaseConfig]) -> tuple[str, ...]:
+    """The graph passes `--compile-passes` turns on, in run order (the model's modules, which
+    register them, imported by now); none when no phase compiles with Inductor."""
+    try:
+        names = resolve_passes(args.compile_passes)
+    except ValueError as e:
+        raise GraphConfigError(f"--compile-passes: {e}") from None
+    if not any(c.tc_compiler == "inductor" for c in configs.values()):
+        if names:
+            logger.warning(
+                "--compile-passes is ignored: no phase compiles the graph with Inductor (set "
+                "--cuda-graph-tc-compiler inductor with tc_piecewise or full)"
+            )
+        return ()
+    whole = whole_graph_passes(names)
+    if whole and not args.inductor_graph_partition:
+        raise GraphConfigError(
+            f"--compile-passes: {', '.join(whole)} rewrite(s) the graph across the split ops "
+            "and need(s) --inductor-graph-partition"
+        )
+    return tuple(names)
 
 
 def _resolve_phase(

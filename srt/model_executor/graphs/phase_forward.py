@@ -62,6 +62,7 @@ class RunnerEnv:
     cache: CompileCache | None  # pieces and the bucket manifest; None when all phases are eager
     args: ServerArgs
     configs: dict[Phase, PhaseConfig]  # both phases' (tc_piecewise compiles for both at once)
+    compile_passes: tuple[str, ...] = ()  # the graph passes Inductor runs (config.py)
     piecewise: PiecewiseModel | None = None  # traced once, by the first phase that compiles
 
     @property
@@ -224,6 +225,7 @@ def shared_piecewise_model(env: RunnerEnv) -> PiecewiseModel:
         max_tokens=max(args.max_prefill_tokens, args.max_running_requests, largest, MIN_TOKENS),
         keep_shape_guards=args.keep_shape_guards,
         partition=args.inductor_graph_partition,
+        passes=env.compile_passes,
     )
     # Trace with the largest bucket's size: Inductor tunes the general graph for its hint.
     width = env.req_to_token.shape[1]
