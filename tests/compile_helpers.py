@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import fx
 
 from srt import Engine
 from srt.batch_layout import ForwardMode
@@ -33,6 +34,11 @@ def tc_engine(model: Path, cache: Path, compiler: str, **kwargs: Any) -> Engine:
         cuda_graph_tc_compiler=compiler,
         **options,
     )
+
+
+def count_rsqrt(graph: fx.Graph) -> int:
+    """A graph pass that counts the rsqrt nodes (one per RMSNorm) and changes nothing."""
+    return sum(n.target is torch.ops.aten.rsqrt.default for n in graph.nodes)
 
 
 def greedy_ids(engine: Engine, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:

@@ -71,3 +71,11 @@ def reference(tiny_llama: Path) -> list[list[int]]:
 
     with Engine(model_path=str(tiny_llama), device="cpu", dtype="float32") as eng:
         return greedy_ids(eng)
+
+
+@pytest.fixture
+def graph_pass_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graph passes a test registers leave the project's registry as it was."""
+    from srt.compilation import graph_passes
+
+    monkeypatch.setattr(graph_passes, "_passes", dict(graph_passes._passes))

@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo.backends.debugging as debugging
+from compile_helpers import count_rsqrt
 from torch import fx
 
 from srt.compilation.cache import CompileCache
 from srt.compilation.cache_key import collect_factors
+from srt.compilation.graph_passes import register_graph_pass
 from srt.compilation.piecewise_model import PiecewiseModel
 from srt.model_config import ModelConfig
 from srt.model_executor.model_runner import ModelRunner
@@ -97,6 +99,36 @@ def test_a_wrong_piece_alone_is_found(runner: ModelRunner, cache: CompileCache) 
     assert result.first_op is None
 
 
+def sqrt_for_rsqrt(graph: fx.Graph) -> int:
+    """A wrong graph pass: sqrt where the graph says rsqrt."""
+    nodes = [n for n in graph.nodes if n.target is torch.ops.aten.rsqrt.default]
+    for node in nodes:
+        node.target = torch.ops.aten.sqrt.default
+    return len(nodes)
+
+
+def test_names_the_graph_pass_that_changes_a_result(
+    runner: ModelRunner, cache: CompileCache, graph_pass_registry: None
+) -> None:
+    register_graph_pass("count_rsqrt")(count_rsqrt)
+    register_graph_pass("sqrt_for_rsqrt")(sqrt_for_rsqrt)
+    passes = ["count_rsqrt", "sqrt_for_rsqrt"]
+    report = bisect(runner, ["inductor"], cache, phase="decode", partition=True, passes=passes)
+    (inductor,) = report.compilers
+    assert report.differs and report.passes == passes
+    # The op search compiles with the passes too: it finds the op the wrong pass rewrote.
+    assert inductor.first_piece == 0
+    assert inductor.first_op is not None and "rsqrt" in inductor.first_op.target
+    assert report.partition is not None and report.partition.differs
+    for mode in ("piecewise", "partition"):
+        effects = [(e.passes, e.forward.differs) for e in report.pass_effects if e.mode == mode]
+        assert effects == [([], False), (["count_rsqrt"], False), (["sqrt_for_rsqrt"], True)]
+        assert report.changed_by(mode) == ["sqrt_for_rsqrt"]
+    text = compile_bisect.format_report(report)
+    assert "inductor, partition mode: whole forward" in text
+    assert "changed by: sqrt_for_rsqrt" in text
+
+
 def test_command_line(tiny_llama: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     argv = ["--model-path", str(tiny_llama), "--device", "cpu", "--dtype", "float32"]
@@ -105,5 +137,10 @@ def test_command_line(tiny_llama: Path, tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["compilers"][0]["compiler"] == "aot_eager"
     assert report["compilers"][0]["first_piece"] is None
-    with pytest.raises(SystemExit):
-        compile_bisect.main([*argv[:6], "--batch-size", "0"])
+    for bad in (
+        ["--batch-size", "0"],
+        ["--compilers", "aot_eager", "--partition"],
+        ["--compile-passes", "no_such_pass"],
+    ):
+        with pytest.raises(SystemExit):
+            compile_bisect.main([*argv[:6], *bad])

@@ -4,13 +4,12 @@ artifacts compiled with other passes kept apart, and the flag's errors (CPU)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from compile_helpers import greedy_ids, tc_engine
+from compile_helpers import count_rsqrt, greedy_ids, tc_engine
 from torch import fx
 
 from srt.compilation import graph_passes
@@ -26,19 +25,7 @@ from srt.compilation.graph_passes import (
 from srt.model_executor.graphs.config import GraphConfigError
 
 
-@pytest.fixture
-def own_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Passes registered inside the test leave the project's registry as it was."""
-    monkeypatch.setattr(graph_passes, "_passes", dict(graph_passes._passes))
-    yield
-
-
-def count_rsqrt(graph: fx.Graph) -> int:
-    """Counts the rsqrt nodes (one per RMSNorm); changes nothing."""
-    return sum(n.target is torch.ops.aten.rsqrt.default for n in graph.nodes)
-
-
-def test_passes_resolve_by_name_in_their_order(own_registry: None) -> None:
+def test_passes_resolve_by_name_in_their_order(graph_pass_registry: None) -> None:
     def noop(graph: fx.Graph) -> int:
         return 0
 
@@ -66,14 +53,14 @@ def test_passes_resolve_by_name_in_their_order(own_registry: None) -> None:
     assert passes_tag([]) == "" and passes_tag(["zeta"]) != passes_tag(["alpha"])
 
 
-def test_passes_running_in_a_circle_are_refused(own_registry: None) -> None:
+def test_passes_running_in_a_circle_are_refused(graph_pass_registry: None) -> None:
     register_graph_pass("ping", after=("pong",))(lambda g: 0)
     register_graph_pass("pong", after=("ping",))(lambda g: 0)
     with pytest.raises(ValueError, match="circle"):
         registered()
 
 
-def test_applying_runs_the_passes_in_inductor_and_logs_them(own_registry: None) -> None:
+def test_applying_runs_the_passes_in_inductor_and_logs_them(graph_pass_registry: None) -> None:
     register_graph_pass("count_rsqrt")(count_rsqrt)
 
     def norm(x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +77,7 @@ def test_applying_runs_the_passes_in_inductor_and_logs_them(own_registry: None) 
 
 
 def test_a_pass_runs_in_every_piece_and_its_artifacts_are_its_own(
-    own_registry: None, tiny_llama: Path, tmp_path: Path, reference: list[list[int]]
+    graph_pass_registry: None, tiny_llama: Path, tmp_path: Path, reference: list[list[int]]
 ) -> None:
     """Piecewise mode: the pass sees each distinct piece (the tiny model's 2 layers: 5
     RMSNorms over 3 distinct pieces); a warm start loads what it compiled (nothing runs it
@@ -114,7 +101,7 @@ def test_a_pass_runs_in_every_piece_and_its_artifacts_are_its_own(
 
 
 def test_the_flag_is_checked_before_anything_compiles(
-    own_registry: None, tiny_llama: Path, tmp_path: Path
+    graph_pass_registry: None, tiny_llama: Path, tmp_path: Path
 ) -> None:
     register_graph_pass("across_splits", whole_graph=True)(lambda g: 0)
     cases: list[tuple[dict[str, Any], str]] = [

@@ -15,8 +15,15 @@ For each compiler it reports the whole forward's difference from eager and the f
 whose output is outside the tolerance; inside that piece, where it can, the first op whose
 value differs: the piece's FX graph cut after op k, compiled alone for these inputs, against
 the eager value of op k, bisected over k. A piece that differs under `aot_eager` too points at
-the trace; one that differs under `inductor` alone, at its code generation. The exit code is
-1 when something differs, 0 when everything agrees.
+the trace; one that differs under `inductor` alone, at its code generation.
+
+`--partition` adds the partition mode (`--inductor-graph-partition`): the whole graph compiled
+by Inductor once, its forward compared with eager's (its partitions take Inductor's buffers,
+not the pieces' arguments, so the comparison is the whole forward's). `--compile-passes`
+compiles Inductor's pieces (and the whole graph) with those graph passes, the op search too;
+when a compile with passes differs, it is compiled again with none and with each pass alone,
+and the report names the passes that change the result by themselves. The exit code is 1
+when something differs, 0 when everything agrees.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from srt.batch_layout import ForwardMode
 from srt.compilation.backend import MIN_TOKENS
 from srt.compilation.cache import CompileCache
 from srt.compilation.dispatch import BucketDispatcher, PieceFn
+from srt.compilation.graph_passes import applying, resolve_passes
 from srt.compilation.piece_compiler import aot_eager
 from srt.compilation.piecewise_model import PiecewiseModel
 from srt.compilation.split import SplitGraph
@@ -266,6 +274,15 @@ class CompilerReport:
 
 
 @dataclass
+class PassEffect:
+    """The whole forward compiled by Inductor in one mode with `passes`, against eager."""
+
+    mode: str  # "piecewise" or "partition"
+    passes: list[str]
+    forward: Difference
+
+
+@dataclass
 class BisectReport:
     model: str
     phase: str
@@ -275,10 +292,22 @@ class BisectReport:
     num_pieces: int
     traced: Difference  # the split graph's eager pieces against the model's own forward
     compilers: list[CompilerReport]
+    passes: list[str] = field(default_factory=list)  # Inductor's compiles ran these
+    partition: Difference | None = None  # the partition mode's whole forward, when asked
+    # When a compile with `passes` differs: that mode again with none, then each pass alone.
+    pass_effects: list[PassEffect] = field(default_factory=list)
 
     @property
     def differs(self) -> bool:
-        return self.traced.differs or any(c.differs for c in self.compilers)
+        partition = self.partition is not None and self.partition.differs
+        return self.traced.differs or partition or any(c.differs for c in self.compilers)
+
+    def changed_by(self, mode: str) -> list[str]:
+        """The passes that alone make `mode`'s forward differ where it agrees without any."""
+        effects = [e for e in self.pass_effects if e.mode == mode]
+        if not effects or effects[0].forward.differs:  # effects[0]: no passes
+            return []
+        return [e.passes[0] for e in effects[1:] if e.forward.differs]
 
 
 def make_plan(
@@ -335,19 +364,44 @@ def make_batch(
 
 
 def trace_pieces(
-    runner: ModelRunner, compilers: Sequence[str], cache: CompileCache, batch: ForwardBatch
+    runner: ModelRunner,
+    compilers: Sequence[str],
+    cache: CompileCache,
+    batch: ForwardBatch,
+    *,
+    partition: bool = False,
+    passes: Sequence[str] = (),
 ) -> PiecewiseModel:
-    """`runner`'s model traced on `batch`, split, each piece compiled by `eager` (the
-    reference) and by each of `compilers`."""
+    """`runner`'s model traced on `batch`, split, each piece compiled by each of `compilers`
+    (`eager` first: the reference), Inductor's with `passes`; in the partition mode, the
+    whole graph compiled by Inductor (`compilers` must be just that)."""
     piecewise = PiecewiseModel(
         runner.model,
-        compilers=["eager", *compilers],
+        compilers=compilers,
         cache=cache,
         max_tokens=max(batch.num_tokens, MIN_TOKENS),
+        partition=partition,
+        passes=passes,
     )
     with eager_forward_context(batch, runner.attn_backend):
         piecewise.trace(batch.input_ids, batch.positions)
     return piecewise
+
+
+def inductor_forward(
+    runner: ModelRunner,
+    cache: CompileCache,
+    batch: ForwardBatch,
+    *,
+    partition: bool,
+    passes: Sequence[str],
+) -> torch.Tensor:
+    """The forward on `batch` of `runner`'s model compiled by Inductor in one mode with
+    `passes` (traced again: each variant is its own compile)."""
+    piecewise = trace_pieces(runner, ["inductor"], cache, batch, partition=partition, passes=passes)
+    with torch.inference_mode(), eager_forward_context(batch, runner.attn_backend):
+        dispatcher = BucketDispatcher(piecewise.general("inductor"))
+        return piecewise(batch.input_ids, batch.positions, dispatcher, None).clone()
 
 
 @dataclass
@@ -370,6 +424,7 @@ class Bisection:
     batch: ForwardBatch
     atol: float
     rtol: float
+    passes: Sequence[str] = ()  # Inductor's compiles run them (the op search's too)
 
     @property
     def split(self) -> SplitGraph:
@@ -415,8 +470,21 @@ class Bisection:
             return
         args = reference.pieces[report.first_piece].args
         gm = _piece_module(self.split, report.first_piece)
-        with torch.inference_mode():
+        passes = self.passes if report.compiler == "inductor" else ()
+        with torch.inference_mode(), applying(passes):
             report.first_op = first_differing_op(report.compiler, gm, args, self.atol, self.rtol)
+
+    def pass_effects(self, mode: str, reference: Reference) -> list[PassEffect]:
+        """`mode`'s whole forward compiled with no passes, then with each pass alone."""
+        effects = []
+        for passes in [[], *([p] for p in self.passes)]:
+            cache = self.piecewise.cache
+            out = inductor_forward(
+                self.runner, cache, self.batch, partition=mode == "partition", passes=passes
+            )
+            diff = compare(out, reference.forward, self.atol, self.rtol)
+            effects.append(PassEffect(mode, passes, diff))
+        return effects
 
 
 def bisect(
@@ -431,23 +499,28 @@ def bisect(
     atol: float | None = None,
     rtol: float | None = None,
     search_ops: bool = True,
+    partition: bool = False,
+    passes: Sequence[str] = (),
     piece_hook: Callable[[PiecewiseModel], None] | None = None,
 ) -> BisectReport:
-    """Run the comparison on `runner`'s model (its graphs disabled: this traces its own).
+    """Run the comparison on `runner`'s model (its graphs disabled: this traces its own);
+    `partition` adds the partition mode's whole forward, `passes` run in Inductor's compiles.
     `piece_hook` sees the compiled model before anything runs (tests use it to break a piece)."""
+    if (partition or passes) and "inductor" not in compilers:
+        raise ValueError("the partition mode and graph passes are Inductor's: add inductor")
     tol = DEFAULT_TOLERANCE.get(runner.config.dtype, 1e-3)
     atol, rtol = atol if atol is not None else tol, rtol if rtol is not None else tol
     batch = make_batch(runner, phase, batch_size, prompt_len, seed)
-    piecewise = trace_pieces(runner, compilers, cache, batch)
+    piecewise = trace_pieces(runner, ["eager", *compilers], cache, batch, passes=passes)
     if piece_hook is not None:
         piece_hook(piecewise)
-    bisection = Bisection(runner, piecewise, batch, atol, rtol)
+    bisection = Bisection(runner, piecewise, batch, atol, rtol, passes)
     reference = bisection.reference()
     reports = [bisection.compare_compiler(compiler, reference) for compiler in compilers]
     if search_ops:
         for report in reports:
             bisection.search_op(report, reference)
-    return BisectReport(
+    result = BisectReport(
         model=str(runner.config.path),
         phase=phase,
         num_tokens=batch.num_tokens,
@@ -456,13 +529,27 @@ def bisect(
         num_pieces=len(bisection.split.pieces),
         traced=reference.traced,
         compilers=reports,
+        passes=list(passes),
     )
+    if partition:
+        whole = inductor_forward(runner, cache, batch, partition=True, passes=passes)
+        result.partition = compare(whole, reference.forward, atol, rtol)
+    if passes:
+        inductor = next(c for c in reports if c.compiler == "inductor")
+        differing = {
+            "piecewise": inductor.differs,
+            "partition": result.partition is not None and result.partition.differs,
+        }
+        for mode in (mode for mode, differs in differing.items() if differs):
+            result.pass_effects += bisection.pass_effects(mode, reference)
+    return result
 
 
 def format_report(report: BisectReport) -> str:
+    passes = f"; Inductor with graph passes {', '.join(report.passes)}" if report.passes else ""
     lines = [
         f"{report.model}: {report.phase}, {report.num_tokens} tokens, {report.num_pieces} "
-        f"pieces, tolerance atol {report.atol:g} rtol {report.rtol:g}",
+        f"pieces, tolerance atol {report.atol:g} rtol {report.rtol:g}{passes}",
         f"traced split graph (eager pieces) vs the eager forward: max abs "
         f"{report.traced.max_abs:.3g}{'  DIFFERS' if report.traced.differs else ''}",
     ]
@@ -487,6 +574,24 @@ def format_report(report: BisectReport) -> str:
             )
             if op.source:
                 lines.append(f"    from: {op.source}")
+    if report.partition is not None:
+        lines.append(
+            f"inductor, partition mode: whole forward max abs {report.partition.max_abs:.3g}"
+            f"{'  DIFFERS' if report.partition.differs else ''}"
+        )
+    for mode in dict.fromkeys(e.mode for e in report.pass_effects):
+        lines.append(f"graph passes, {mode} mode, whole forward compiled with:")
+        for e in (e for e in report.pass_effects if e.mode == mode):
+            lines.append(
+                f"  {', '.join(e.passes) or 'no passes'}: max abs {e.forward.max_abs:.3g}"
+                f"{'  DIFFERS' if e.forward.differs else ''}"
+            )
+        culprits = report.changed_by(mode)
+        lines.append(
+            f"  changed by: {', '.join(culprits)}"
+            if culprits
+            else "  no pass alone changes it (without passes it differs too, or only together)"
+        )
     verdict = "something differs" if report.differs else "everything agrees"
     lines.append(f"result: {verdict}")
     return "\n".join(lines)
@@ -518,6 +623,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--atol", type=float, default=None, help="default: by dtype")
     parser.add_argument("--rtol", type=float, default=None, help="default: by dtype")
     parser.add_argument("--no-op-search", action="store_true", help="stop at the piece")
+    parser.add_argument(
+        "--partition",
+        action="store_true",
+        help="also compare the partition mode (--inductor-graph-partition); needs inductor",
+    )
+    parser.add_argument(
+        "--compile-passes",
+        nargs="+",
+        default=None,
+        help="graph passes for Inductor's compiles: all or names (default: none); when a "
+        "result differs, each pass alone is tried",
+    )
     parser.add_argument(
         "--compile-cache-dir",
         default=None,
@@ -570,12 +687,25 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.batch_size < 1 or ns.prompt_len < 1:
         parser.error("--batch-size and --prompt-len must be at least 1")
+    if (ns.partition or ns.compile_passes) and "inductor" not in ns.compilers:
+        parser.error("--partition and --compile-passes need inductor among --compilers")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    runner = _make_runner(ns, parser)
+    runner = _make_runner(ns, parser)  # imports the model, whose modules register the passes
+    try:
+        passes = resolve_passes(ns.compile_passes)
+    except ValueError as e:
+        parser.error(f"--compile-passes: {e}")
     with tempfile.TemporaryDirectory(prefix="srt-bisect-") as tmp:
         cache = _cache(Path(ns.compile_cache_dir or tmp), runner)
         options = keyword_options(ns, bisect)
-        report = bisect(runner, ns.compilers, cache, search_ops=not ns.no_op_search, **options)
+        report = bisect(
+            runner,
+            ns.compilers,
+            cache,
+            search_ops=not ns.no_op_search,
+            passes=passes,
+            **options,
+        )
     if ns.result_file:
         Path(ns.result_file).write_text(json.dumps(asdict(report), indent=2) + "\n")
     print(format_report(report))
