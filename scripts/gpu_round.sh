@@ -24,7 +24,9 @@
 #                        Inductor pieces, breakable, tc_piecewise eager and inductor, full
 #                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF);
 #                        not in the default list: the partition mode under tc_piecewise
-#                        (tc-partition) and full (full-partition)
+#                        (tc-partition) and full (full-partition); CONFIG@PASSES runs CONFIG
+#                        with --compile-passes PASSES (full-partition@all,
+#                        tc-inductor@rotary_kernel,silu_and_mul_kernel)
 #                        (RUNNER_CONFIGS, RUNNER_SIZES and HF_METHODS override the lists, an
 #                        empty HF_METHODS runs none;
 #                        RUNNER_INPUT_LEN the prompt, default 128, into runner-SHAPE-ctxN;
@@ -167,8 +169,11 @@ runner() {  # the decode paths of srt and the alternatives on one shape
   )
   local config method
   for config in $configs; do
+    # CONFIG@PASSES: CONFIG with --compile-passes PASSES (all, or names joined by commas)
+    local passes=()
+    [[ $config == *@* ]] && passes=(--compile-passes "${config#*@}")
     # shellcheck disable=SC2086
-    one . "$config" ${flags[$config]}
+    one . "$config" ${flags[${config%@*}]} "${passes[@]}"
   done
   # The same configs from the tree in .baseline (srt/ of an earlier commit): the change's
   # before and after in one call.

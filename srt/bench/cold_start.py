@@ -62,6 +62,8 @@ _TCPW_INDUCTOR = [
 ]
 # Decode captured whole over the once-compiled general graph: capture is all a bucket costs.
 _FULL_INDUCTOR = ["--cuda-graph-backend-decode", "full", "--cuda-graph-tc-compiler", "inductor"]
+# The same two over the partition mode (the whole graph compiled once, cut at the split ops).
+_PARTITION = ["--inductor-graph-partition"]
 PRESETS: dict[str, list[str]] = {
     "nographs": ["--disable-cuda-graph"],
     "full-lazy": ["--cuda-graph-backend-decode", "full", "--cuda-graph-capture", "lazy"],
@@ -70,6 +72,8 @@ PRESETS: dict[str, list[str]] = {
     "tcpw-inductor-upfront": [*_TCPW_INDUCTOR, "--cuda-graph-capture", "upfront"],
     "full-inductor-lazy": [*_FULL_INDUCTOR, "--cuda-graph-capture", "lazy"],
     "full-inductor-upfront": [*_FULL_INDUCTOR, "--cuda-graph-capture", "upfront"],
+    "tcpw-partition-lazy": [*_TCPW_INDUCTOR, *_PARTITION, "--cuda-graph-capture", "lazy"],
+    "full-partition-lazy": [*_FULL_INDUCTOR, *_PARTITION, "--cuda-graph-capture", "lazy"],
 }
 CACHE_STATES = ("cold", "warm")
 # Cleared for each server: set, a tool's cache would outlive the cold start.

@@ -240,6 +240,8 @@ def bench(
                 "enable_torch_compile": args.enable_torch_compile,
                 "tc_compiler": graphs[Phase.DECODE].tc_compiler,
                 "graph_partition": compile_info.get("mode") == "partition",
+                "compile_passes": compile_info.get("passes") or None,
+                "pass_matches": compile_info.get("pass_matches"),
                 "custom_ops": args.custom_ops,
                 "skinny_matmul_launch": args.skinny_matmul_launch,
                 "load_s": round(runner.load_s, 3),
@@ -292,9 +294,9 @@ def label(row: dict[str, Any]) -> str:
     graph over Inductor pieces) or `tc_piecewise-inductor` (`-partition`: the whole graph
     compiled, cut at the split ops), and the prefill backend where it
     is not `disabled` (`full, prefill full`); an attention backend other than `triton` and a
-    `--custom-ops` selection and a skinny kernel's launch other than `plain` too (`full,
-    flashinfer`, `full, ops all,-skinny_matmul`, `full, launch pdl`), so that rows of one file
-    that differ only in those stay apart."""
+    `--custom-ops` selection, graph passes and a skinny kernel's launch other than `plain` too
+    (`full, flashinfer`, `full, ops all,-skinny_matmul`, `full-inductor, passes rotary_kernel`,
+    `full, launch pdl`), so that rows of one file that differ only in those stay apart."""
     name = row["decode_backend"]
     if row.get("enable_torch_compile") and name == "full":
         name += "+compile"
@@ -308,6 +310,8 @@ def label(row: dict[str, Any]) -> str:
         name += f", {row['attention_backend']}"
     if row.get("custom_ops"):
         name += f", ops {row['custom_ops']}"
+    if row.get("compile_passes"):
+        name += f", passes {','.join(row['compile_passes'])}"
     if row.get("skinny_matmul_launch") not in (None, "plain"):
         name += f", launch {row['skinny_matmul_launch']}"
     return name
