@@ -113,6 +113,9 @@ def test_no_tc_phase_still_reports_the_split_ops(tiny_llama: Path) -> None:
         info = eng.get_server_info()["compile"]
     assert info == {
         "split_ops": ["srt::attention"],
+        "mode": None,
+        "passes": [],
+        "pass_matches": None,
         "num_pieces": 0,
         "num_split_regions": 0,
         "num_unique_pieces": 0,
@@ -297,6 +300,8 @@ OPTION_CHANGES = {
     "torch_compile_max_bs": 8,
     "keep_shape_guards": True,
     "skinny_matmul_launch": "pdl",  # the kernel's launch: a constant of the traced graph
+    "inductor_graph_partition": True,
+    "compile_passes": ["all"],
 }
 # Options that reach the graph as this process resolves them.
 RESOLVED_CHANGES = {
