@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -71,3 +71,16 @@ def reference(tiny_llama: Path) -> list[list[int]]:
 
     with Engine(model_path=str(tiny_llama), device="cpu", dtype="float32") as eng:
         return greedy_ids(eng)
+
+
+@pytest.fixture(scope="module")
+def partitions_on_the_cpu() -> Iterator[None]:
+    """Inductor's scheduler takes every kernel for a GPU kernel, so it cuts the graph into
+    partitions at the split ops on the CPU too (the partition mode's CPU tests). Module scope:
+    a module's engines made with it are shared; it stays on until the module's last test, so
+    a module runs its tests that need it after those that must not have it."""
+    from torch._inductor.scheduler import BaseSchedulerNode
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BaseSchedulerNode, "is_gpu", lambda self: True)
+        yield
