@@ -16,7 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from compile_helpers import greedy_ids, max_logit_error, tc_engine
+from compile_helpers import (
+    KERNEL_PASS_MATCHES,
+    KERNEL_PASSES,
+    greedy_ids,
+    max_logit_error,
+    tc_engine,
+)
 from torch._inductor.utils import run_and_get_code
 
 from srt.compilation.graph_passes import applying, graph_passes, resolve_passes
@@ -30,15 +36,7 @@ from srt.model_executor.graphs.config import (
 )
 from srt.server_args import ServerArgs
 
-PASSES = ["fused_add_rms_norm_kernel", "rms_norm_kernel", "rotary_kernel", "silu_and_mul_kernel"]
-# The tiny Llama's matches (2 layers): the fused norm after each attention, before layer 1 and
-# the final one; layer 0's input norm (no residual yet); each layer's rotary and MLP.
-COUNTS = {
-    "fused_add_rms_norm_kernel": 4,
-    "rms_norm_kernel": 1,
-    "rotary_kernel": 2,
-    "silu_and_mul_kernel": 2,
-}
+PASSES, COUNTS = KERNEL_PASSES, KERNEL_PASS_MATCHES
 EPS = 1e-5
 T, HEADS, KV_HEADS, D = 7, 4, 2, 16  # odd token count: no size coincides with another
 
