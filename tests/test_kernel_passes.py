@@ -25,6 +25,7 @@ from compile_helpers import (
 )
 from torch._inductor.utils import run_and_get_code
 
+from srt import Engine
 from srt.compilation.graph_passes import applying, graph_passes, resolve_passes
 from srt.layers.activation import silu_and_mul
 from srt.layers.layernorm import fused_add_rms_norm, rms_norm
@@ -199,6 +200,19 @@ def test_the_passes_give_eager_ids_in_the_pieces(
     off: str | None, tiny_llama: Path, tmp_path: Path, reference: list[list[int]]
 ) -> None:
     check_engine(tiny_llama, tmp_path, reference, passes_without(off))
+
+
+def test_qwen3s_heads_are_matched(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    """Qwen3: its per-head q and k norms too (two per layer), and the rotary of heads that
+    the norm gave (no view to match)."""
+    model = tiny_model_factory("qwen3")
+    with Engine(model_path=str(model), device="cpu", dtype="float32") as eager:
+        expected = greedy_ids(eager)
+    layers = 2
+    counts = {**COUNTS, "rms_norm_kernel": COUNTS["rms_norm_kernel"] + 2 * layers}
+    with tc_engine(model, tmp_path, "inductor", compile_passes=PASSES) as eng:
+        assert greedy_ids(eng) == expected
+        assert eng.get_server_info()["compile"]["pass_matches"] == counts
 
 
 @pytest.mark.parametrize("off", OFF, ids=[f"without-{o}" if o else "all" for o in OFF])

@@ -44,6 +44,7 @@ import functools
 import hashlib
 import inspect
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -226,8 +227,9 @@ class PassLog:
 
 def _passes_uuid(passes: Sequence[GraphPass]) -> str:
     """What Inductor's own caches key a compile with these passes by: the passes' names and
-    the source of the modules that define them."""
-    digest = hashlib.sha256()
+    the source of the modules that define them, and of this one (its pattern passes' trace
+    is part of what they do)."""
+    digest = hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode())
     for p in passes:
         module = inspect.getmodule(p.run)
         source = inspect.getsource(module) if module is not None else p.run.__qualname__
