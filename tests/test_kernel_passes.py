@@ -4,8 +4,9 @@ graph shows it, replaced by the op's custom op (CPU: the op's CPU kernel, the re
 Per pass on a small compiled function in the forms the models produce: the op is in the
 code Inductor generates, the matches are counted, the output is the reference's (float32 and
 bfloat16). Through the Engine on the tiny 2-layer Llama, in the piecewise and the partition
-mode: every pass on, and each one off, gives the eager greedy ids and the per-model counts;
-`--custom-ops` turning a pass's kernel off refuses the pass (CPU)."""
+mode: every pass on, and each one off, gives the eager greedy ids and the per-model counts
+(and Qwen3's per-head norms and rotary, matched too); `--custom-ops` turning a pass's kernel
+off refuses the pass (CPU)."""
 
 from __future__ import annotations
 

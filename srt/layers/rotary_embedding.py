@@ -113,7 +113,6 @@ class RotaryEmbedding(CustomOp):
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
-        self.head_dim = head_dim
         freqs = torch.outer(
             torch.arange(max_position, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling)
         )
