@@ -96,6 +96,16 @@ def kernels_missing(device_type: str) -> str | None:
     return None
 
 
+def turned_off(entries: Sequence[str] | None) -> dict[str, str]:
+    """The ops the flag makes run the reference everywhere, each with its entry (`none`,
+    `-name`)."""
+    return {
+        name: entry
+        for name, entry in parse_custom_ops(entries).items()
+        if entry is not None and not _forces_kernel(entry)
+    }
+
+
 def asks_for_kernels(entries: Sequence[str] | None) -> bool:
     """Whether the flag forces a kernel on for some op (`all` or a `+name`)."""
     return any(_forces_kernel(entry) for entry in parse_custom_ops(entries).values())

@@ -20,6 +20,21 @@ LADDERS = {"cuda_graph_bs_prefill": [8, 16], "cuda_graph_bs_decode": [1, 2, 4]}
 PROMPTS = [[1, 5, 7, 9, 11], [3, 4, 5, 6, 7, 8, 9], [10, 20, 30]]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 SLOTS_PER_REQUEST = 64  # request i owns KV slots 1 + 64 i ...
+# The passes that put a layer op's kernel in Inductor's graph, and what they match in the tiny
+# Llama (2 layers): the fused norm after each attention, before layer 1 and the final one;
+# layer 0's input norm (no residual yet); each layer's rotary and MLP.
+KERNEL_PASSES = [
+    "fused_add_rms_norm_kernel",
+    "rms_norm_kernel",
+    "rotary_kernel",
+    "silu_and_mul_kernel",
+]
+KERNEL_PASS_MATCHES = {
+    "fused_add_rms_norm_kernel": 4,
+    "rms_norm_kernel": 1,
+    "rotary_kernel": 2,
+    "silu_and_mul_kernel": 2,
+}
 
 
 def tc_engine(model: Path, cache: Path, compiler: str, **kwargs: Any) -> Engine:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -79,3 +79,16 @@ def graph_pass_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     from srt.compilation import graph_passes
 
     monkeypatch.setattr(graph_passes, "_passes", dict(graph_passes._passes))
+
+
+@pytest.fixture(scope="module")
+def partitions_on_the_cpu() -> Iterator[None]:
+    """Inductor's scheduler takes every kernel for a GPU kernel, so it cuts the graph into
+    partitions at the split ops on the CPU too (the partition mode's CPU tests). Module scope:
+    a module's engines made with it are shared; it stays on until the module's last test, so
+    a module runs its tests that need it after those that must not have it."""
+    from torch._inductor.scheduler import BaseSchedulerNode
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BaseSchedulerNode, "is_gpu", lambda self: True)
+        yield

@@ -23,7 +23,13 @@ from typing import Any
 
 import pytest
 import torch
-from compile_helpers import greedy_ids, max_logit_error, tc_engine
+from compile_helpers import (
+    KERNEL_PASS_MATCHES,
+    KERNEL_PASSES,
+    greedy_ids,
+    max_logit_error,
+    tc_engine,
+)
 
 from srt import Engine
 from srt.compilation.cache import pack_artifact, unpack_artifact
@@ -434,3 +440,43 @@ def test_cuda_pieces_with_graphs_match_eager_and_warm_start(
         assert greedy_ids(warm) == expected
         assert compile_info(warm)["cache_hit"] is True
     assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("partition", [False, True], ids=["pieces", "partitions"])
+def test_cuda_kernel_passes_give_eager_ids_in_bfloat16(
+    tiny_llama: Path, tmp_path: Path, partition: bool
+) -> None:
+    """The kernel passes on, both phases captured per piece (FX pieces or Inductor's
+    partitions) in bfloat16: eager's ids (eager runs the same kernels: `--custom-ops` left at
+    its default) and every place of the tiny Llama matched. The sums of the fused norms take
+    both forms on CUDA: folded into the product (addmm) where the sum leaves the piece, a
+    plain add where every user is pointwise (the final norm, the whole graph's)."""
+
+    def engine(**kwargs: Any) -> Engine:
+        return Engine(
+            model_path=str(tiny_llama),
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=4096,
+            cuda_graph_bs_prefill=[8, 16],
+            cuda_graph_bs_decode=[1, 2, 4],
+            **kwargs,
+        )
+
+    with engine(disable_cuda_graph=True) as eager:
+        expected = greedy_ids(eager)
+    with engine(
+        cuda_graph_backend_prefill="tc_piecewise",
+        cuda_graph_backend_decode="tc_piecewise",
+        cuda_graph_tc_compiler="inductor",
+        inductor_graph_partition=partition,
+        compile_passes=KERNEL_PASSES,
+        compile_cache_dir=str(tmp_path),
+    ) as eng:
+        assert greedy_ids(eng) == expected
+        assert greedy_ids(eng) == expected  # replays the captured pieces
+        info = compile_info(eng)
+    assert info["mode"] == ("partition" if partition else "piecewise")
+    assert info["passes"] == KERNEL_PASSES
+    assert info["pass_matches"] == KERNEL_PASS_MATCHES

@@ -3,10 +3,10 @@ once, cut at the split ops into partitions that the capture kinds serve as they 
 
 Inductor cuts CUDA-graph partitions only around GPU kernels, so on the CPU a compiled graph
 has none (tests/test_compilation_inductor.py checks that it runs so). These tests stand the
-CPU in for the GPU (`partitions_on_the_cpu`: Inductor's scheduler is told every kernel is a
-GPU kernel), so that the partitions are made, routed through the bucket dispatcher, saved and
-reloaded as on CUDA; the CUDA graphs themselves are the GPU tests'
-(tests/test_graph_backends_gpu.py)."""
+CPU in for the GPU (`partitions_on_the_cpu`, in tests/conftest.py: Inductor's scheduler is
+told every kernel is a GPU kernel), so that the partitions are made, routed through the
+bucket dispatcher, saved and reloaded as on CUDA; the CUDA graphs themselves are the GPU
+tests' (tests/test_graph_backends_gpu.py)."""
 
 from __future__ import annotations
 
@@ -29,18 +29,6 @@ from srt.model_executor.graphs.config import GraphConfigError
 from srt.model_executor.graphs.piecewise import PieceGraphs
 
 PARTITION = {"inductor_graph_partition": True}
-
-
-@pytest.fixture(scope="module")
-def partitions_on_the_cpu() -> Iterator[None]:
-    """Inductor's scheduler takes every kernel for a GPU kernel, so it cuts the graph into
-    partitions at the split ops on the CPU too (module scope: the cold engine below is
-    shared)."""
-    from torch._inductor.scheduler import BaseSchedulerNode
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(BaseSchedulerNode, "is_gpu", lambda self: True)
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -224,8 +224,9 @@ def test_tc_piecewise_traces_the_selected_impl(
     reference: list[list[int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """One trace for the eager pieces keeps the kernels in it as opaque ops (run by the
-    interpreter here); a trace for Inductor holds the reference by default."""
+    """One trace for the eager pieces keeps the kernels in it as opaque ops (their CPU
+    kernel, the reference, runs them here); a trace for Inductor holds the reference by
+    default."""
     monkeypatch.setattr("srt.model_executor.runner_setup.kernels_missing", lambda device: None)
     with tc_engine(tiny_llama, tmp_path, compiler, custom_ops=entries) as eng:
         info = eng.get_server_info()

@@ -23,22 +23,46 @@ graph has no in-place ops or views to respect, every decomposition Inductor woul
 been applied (a pattern written as the reference is found as Inductor sees it), and what a
 pass leaves is what gets lowered. Registration imports nothing of Inductor: a pass builds
 what it needs (patterns, which trace with fake tensors) on its first run.
+
+Most passes replace a pattern: `pattern_pass` makes one from a function that adds Inductor
+pattern-matcher replacements (`add_replacement`: a search function, traced as Inductor's
+graph shows it, in float32 and in a half dtype, and what replaces it):
+
+    @register_graph_pass("rms_norm_kernel", op="rms_norm")
+    @pattern_pass
+    def use_rms_norm_kernel(patterns: PatternMatcherPass) -> None:
+        '''The RMSNorm reference replaced by `srt::rms_norm`.'''
+        add_replacement(patterns, rms_norm, rms_norm_kernel.op, example_inputs, {"eps": 1e-6})
+
+A pass that puts a layer op's kernel in the graph names the op (`op=`, a `--custom-ops`
+name): the runner refuses it where `--custom-ops` turns that kernel off.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import fx
+
+if TYPE_CHECKING:
+    from torch._inductor.pattern_matcher import PatternMatcherPass
 
 logger = logging.getLogger(__name__)
 
 GraphPassFn = Callable[[fx.Graph], int]
+# The passes that swap a layer op's reference for its kernel run after these, which change
+# what the graph computes (sequence parallelism: each rank's share of the tokens); the kernel
+# passes look for the reference in what they leave.
+BEFORE_KERNEL_PASSES = ("sequence_parallel",)
 
 
 @dataclass(frozen=True)
@@ -48,13 +72,14 @@ class GraphPass:
     doc: str  # the first line of the function's docstring
     whole_graph: bool = False  # needs the partition mode (it sees across the split ops)
     after: tuple[str, ...] = ()  # passes that run before this one when both are on
+    op: str | None = None  # the layer op (`--custom-ops` name) whose kernel it puts in
 
 
 _passes: dict[str, GraphPass] = {}
 
 
 def register_graph_pass(
-    name: str, *, whole_graph: bool = False, after: Sequence[str] = ()
+    name: str, *, whole_graph: bool = False, after: Sequence[str] = (), op: str | None = None
 ) -> Callable[[GraphPassFn], GraphPassFn]:
     """Register the decorated function as the graph pass `name` (see the module docstring)."""
 
@@ -62,10 +87,76 @@ def register_graph_pass(
         if name in _passes and _passes[name].run is not fn:
             raise ValueError(f"graph pass {name!r} is registered twice")
         doc = (inspect.getdoc(fn) or "").strip().splitlines()
-        _passes[name] = GraphPass(name, fn, doc[0] if doc else "", whole_graph, tuple(after))
+        _passes[name] = GraphPass(name, fn, doc[0] if doc else "", whole_graph, tuple(after), op)
         return fn
 
     return decorator
+
+
+def pattern_pass(add_patterns: Callable[[PatternMatcherPass], None]) -> GraphPassFn:
+    """A graph pass that applies the replacements `add_patterns` adds to a pattern-matcher
+    pass of its own (built on the first run: tracing the patterns needs Inductor); it returns
+    how many it made. The pass keeps `add_patterns`' name, docstring and module."""
+
+    @functools.cache
+    def built() -> PatternMatcherPass:
+        from torch._inductor.pattern_matcher import PatternMatcherPass
+
+        patterns = PatternMatcherPass()
+        add_patterns(patterns)
+        return patterns
+
+    @functools.wraps(add_patterns)
+    def run(graph: fx.Graph) -> int:
+        return built().apply(graph)
+
+    return run
+
+
+# The dtypes a pattern is traced in. The matcher ignores dtype (and size) constants at first,
+# then traces the pattern again on each match's own inputs and compares exactly, so what
+# differs between dtypes is only the graph's structure: float32 has no conversions (the
+# references' `.float()` is a no-op there), every half dtype the same ones (float16 matches
+# the bfloat16 pattern).
+PATTERN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def add_replacement(
+    patterns: PatternMatcherPass,
+    search: Callable[..., Any],
+    replace: Callable[..., Any],
+    example_inputs: Callable[[torch.dtype], list[torch.Tensor]],
+    scalars: dict[str, float] | None = None,
+) -> None:
+    """Make `patterns` replace what `search` computes by what `replace` computes (the same
+    arguments) in the graphs Inductor compiles, in each of PATTERN_DTYPES. `example_inputs(
+    dtype)`: the tensor arguments to trace them with (CPU tensors; the device is not matched).
+    `scalars`: the arguments that are numbers (eps), each given a value that no other constant
+    of the pattern has, so that the matcher takes the graph's value for it (Inductor's
+    `scalar_workaround`)."""
+    from torch._inductor.pattern_matcher import register_replacement
+
+    for dtype in PATTERN_DTYPES:
+        register_replacement(
+            search,
+            replace,
+            example_inputs(dtype),
+            _trace_as_inductor_sees_it,
+            patterns,
+            scalar_workaround=scalars or {},
+        )
+
+
+def _trace_as_inductor_sees_it(fn: Callable[..., Any], args: Any, **kwargs: Any) -> fx.GraphModule:
+    """Inductor's pattern trace (`fwd_only`, Inductor's decompositions) with every view made
+    a reshape, as Inductor makes them in the graph it compiles before its passes run
+    (compile_fx's `view_to_reshape`): a pattern traced with views would not match it."""
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._inductor.pattern_matcher import fwd_only
+
+    gm = fwd_only(fn, args, **kwargs)
+    view_to_reshape(gm)
+    return gm
 
 
 def graph_passes() -> dict[str, GraphPass]:
@@ -136,8 +227,9 @@ class PassLog:
 
 def _passes_uuid(passes: Sequence[GraphPass]) -> str:
     """What Inductor's own caches key a compile with these passes by: the passes' names and
-    the source of the modules that define them."""
-    digest = hashlib.sha256()
+    the source of the modules that define them, and of this one (its pattern passes' trace
+    is part of what they do)."""
+    digest = hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode())
     for p in passes:
         module = inspect.getmodule(p.run)
         source = inspect.getsource(module) if module is not None else p.run.__qualname__

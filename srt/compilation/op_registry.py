@@ -59,11 +59,18 @@ def register_custom_op(
     *,
     mutates_args: Iterable[str],
     fake_impl: Callable[..., Any] | None = None,
+    reference: Callable[..., Any] | None = None,
     namespace: str = LIBRARY,
 ) -> Callable[[Callable[..., Any]], RegisteredOp]:
     """Define `<namespace>::<name>` (default `srt::<name>`) from the decorated function, with
     `fake_impl` as its fake. An op that returns nothing (it only writes the arguments it
-    mutates) has nothing to fake: its fake is made here, so its signature is written once."""
+    mutates) has nothing to fake: its fake is made here, so its signature is written once.
+
+    `reference` (a layer op's PyTorch reference, the op's signature): the op's CPU kernel.
+    A graph that calls the op where the model traced the reference (a graph pass put it
+    there) then runs on the CPU too, tests and CPU serving alike, and the reference stays the
+    oracle the kernel is checked against; the decorated function (the Triton kernel) serves
+    every other device."""
 
     def decorator(fn: Callable[..., Any]) -> RegisteredOp:
         qualname = f"{namespace}::{name}"
@@ -74,6 +81,8 @@ def register_custom_op(
             fake = _returns_nothing
         op = torch.library.custom_op(qualname, mutates_args=tuple(mutates_args))(fn)
         op.register_fake(fake)
+        if reference is not None:
+            op.register_kernel("cpu", reference)
         _custom_ops[qualname] = op
         return RegisteredOp(op, fn)
 

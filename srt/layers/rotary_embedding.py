@@ -2,18 +2,29 @@
 
 One op (see custom_op.py), `rotary_embedding`: the reference below or the Triton kernel behind
 the custom op `srt::rotary_embedding`, which rotates q and k in one launch. Both read the
-same cos/sin cache, so the llama3 scaling is the cache's and not the kernel's.
+same cos/sin cache, so the llama3 scaling is the cache's and not the kernel's. The graph pass
+`rotary_kernel` (`--compile-passes`) puts the kernel where Inductor would compile the
+reference.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from srt.compilation.graph_passes import (
+    BEFORE_KERNEL_PASSES,
+    add_replacement,
+    pattern_pass,
+    register_graph_pass,
+)
 from srt.compilation.op_registry import register_custom_op
 from srt.layers.custom_op import CustomOp
+
+if TYPE_CHECKING:
+    from torch._inductor.pattern_matcher import PatternMatcherPass
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -39,6 +50,32 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rotate_heads(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference on heads: q [T, Hq, D], k [T, Hkv, D] -> rotated, [T, Hq*D] and [T, Hkv*D]."""
+    cos = cos_cache[positions].to(q.dtype)
+    sin = sin_cache[positions].to(q.dtype)
+    t = q.shape[0]
+    return apply_rotary(q, cos, sin).reshape(t, -1), apply_rotary(k, cos, sin).reshape(t, -1)
+
+
+def rotary(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: q [T, Hq*D], k [T, Hkv*D] -> rotated, same shapes (D: the caches' D/2 twice)."""
+    t, d = q.shape[0], 2 * cos_cache.shape[-1]
+    return rotate_heads(positions, q.view(t, -1, d), k.view(t, -1, d), cos_cache, sin_cache)
+
+
 def _rotated(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """New contiguous tensors of q's and k's shapes, for the rotated q and k."""
     return q.new_empty(q.shape), k.new_empty(k.shape)
@@ -51,7 +88,7 @@ def _rotary_fake(
     return _rotated(q, k)
 
 
-@register_custom_op("rotary_embedding", mutates_args=(), fake_impl=_rotary_fake)
+@register_custom_op("rotary_embedding", mutates_args=(), fake_impl=_rotary_fake, reference=rotary)
 def rotary_kernel(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -76,7 +113,6 @@ class RotaryEmbedding(CustomOp):
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
-        self.head_dim = head_dim
         freqs = torch.outer(
             torch.arange(max_position, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling)
         )
@@ -89,9 +125,37 @@ class RotaryEmbedding(CustomOp):
         """q: [T, Hq*D], k: [T, Hkv*D] -> rotated, same shapes."""
         if self.uses_kernel("rotary_embedding"):
             return rotary_kernel(positions, q, k, self.cos_cache, self.sin_cache)
-        cos = self.cos_cache[positions].to(q.dtype)
-        sin = self.sin_cache[positions].to(q.dtype)
-        t = q.shape[0]
-        q = apply_rotary(q.view(t, -1, self.head_dim), cos, sin).reshape(t, -1)
-        k = apply_rotary(k.view(t, -1, self.head_dim), cos, sin).reshape(t, -1)
-        return q, k
+        return rotary(positions, q, k, self.cos_cache, self.sin_cache)
+
+
+def _rotate_heads_kernel(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    t = q.shape[0]
+    return rotary_kernel.op(positions, q.reshape(t, -1), k.reshape(t, -1), cos_cache, sin_cache)
+
+
+@register_graph_pass("rotary_kernel", after=BEFORE_KERNEL_PASSES, op="rotary_embedding")
+@pattern_pass
+def use_rotary_kernel(patterns: PatternMatcherPass) -> None:
+    """The rotary reference on q and k replaced by `srt::rotary_embedding`."""
+    # The pattern starts at the heads, not at `rotary`'s views of q and k: where q and k are
+    # already heads (Qwen3's per-head norm gives [T, H, D]), Inductor folds the reshape to
+    # [T, H*D] and back away. Elsewhere the views stay outside the match, and the kernel reads
+    # them flattened again (a view: no copy).
+    add_replacement(
+        patterns,
+        rotate_heads,
+        _rotate_heads_kernel,
+        lambda dtype: [
+            torch.arange(8),
+            torch.empty(8, 4, 16, dtype=dtype),
+            torch.empty(8, 2, 16, dtype=dtype),
+            torch.empty(32, 8),  # the caches stay float32 in every model dtype
+            torch.empty(32, 8),
+        ],
+    )

@@ -121,7 +121,7 @@ class ModelRunner:
         self.graph_configs = resolve_graph_config(  # fail before loading
             args, self.device.type, attn_cls.graph_modes
         )
-        self.compile_passes = resolve_compile_passes(args, self.graph_configs)
+        self.compile_passes = resolve_compile_passes(args, self.graph_configs, self.device.type)
         # The weights fill beside what the start waits for meanwhile: on a first start the
         # compile-ahead block's compiles (after the graphs, below: its forwards need only the
         # parameters' shapes), else Triton's hashing thread.

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from srt.batch_layout import ForwardMode
-from srt.compilation.graph_passes import resolve_passes, whole_graph_passes
+from srt.compilation.graph_passes import graph_passes, resolve_passes, whole_graph_passes
 from srt.compilation.piece_compiler import COMPILERS
+from srt.op_selection import kernels_missing, turned_off
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -173,9 +174,17 @@ def resolve_graph_config(
     return configs
 
 
-def resolve_compile_passes(args: ServerArgs, configs: dict[Phase, PhaseConfig]) -> tuple[str, ...]:
+def resolve_compile_passes(
+    args: ServerArgs, configs: dict[Phase, PhaseConfig], device: str
+) -> tuple[str, ...]:
     """The graph passes `--compile-passes` turns on, in run order (the model's modules, which
-    register them, imported by now); none when no phase compiles with Inductor."""
+    register them, imported by now); none when no phase compiles with Inductor.
+
+    A pass that puts a layer op's kernel in the graph is refused where that kernel cannot
+    run: `--custom-ops` turns it off (`none`, `-name`: asking for the reference everywhere
+    and for the kernel in Inductor's graphs contradict each other, and neither is guessed to
+    win), or the device has no kernels (the CPU is not one such: there the op runs its CPU
+    kernel, the reference)."""
     try:
         names = resolve_passes(args.compile_passes)
     except ValueError as e:
@@ -187,6 +196,24 @@ def resolve_compile_passes(args: ServerArgs, configs: dict[Phase, PhaseConfig]) 
                 "--cuda-graph-tc-compiler inductor with tc_piecewise or full)"
             )
         return ()
+    known, off = graph_passes(), turned_off(args.custom_ops)
+    refused = [
+        f"{name} (--custom-ops {off[op]})"
+        for name in names
+        if (op := known[name].op) is not None and op in off
+    ]
+    if refused:
+        raise GraphConfigError(
+            f"--compile-passes: {', '.join(refused)} put(s) a layer op's kernel in the graph "
+            "where --custom-ops turns it off: leave the pass out, or the op's entry"
+        )
+    missing = kernels_missing(device) if device != "cpu" else None
+    kernel_passes = [name for name in names if known[name].op is not None]
+    if missing is not None and kernel_passes:
+        raise GraphConfigError(
+            f"--compile-passes: {', '.join(kernel_passes)} put(s) a layer op's kernel in the "
+            f"graph, but {missing}"
+        )
     whole = whole_graph_passes(names)
     if whole and not args.inductor_graph_partition:
         raise GraphConfigError(
