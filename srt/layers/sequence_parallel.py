@@ -47,10 +47,10 @@ class _Site:
 
 
 def _is(node: Any, target: Any, *args: Any) -> bool:
-    """`node` calls `target`, with `args` (where not None) as its leading arguments."""
+    """`node` calls `target`, with `args` as its leading arguments."""
     if not isinstance(node, fx.Node) or node.op != "call_function" or node.target is not target:
         return False
-    return all(want is None or got == want for got, want in zip(node.args, args, strict=False))
+    return tuple(node.args[: len(args)]) == args
 
 
 def _sole_user(node: fx.Node, target: Any, *args: Any) -> fx.Node | None:
@@ -58,9 +58,9 @@ def _sole_user(node: fx.Node, target: Any, *args: Any) -> fx.Node | None:
     return users[0] if len(users) == 1 and _is(users[0], target, *args) else None
 
 
-def _operand(mul: fx.Node, other: fx.Node) -> Any:
-    """The argument of the binary `mul` that is not `other` (None if neither is)."""
-    a, b = mul.args[:2]
+def _operand(binary: fx.Node, other: fx.Node) -> Any:
+    """The argument of the binary op `binary` that is not `other` (None if neither is)."""
+    a, b = binary.args[:2]
     return b if a is other else a if b is other else None
 
 
