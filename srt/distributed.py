@@ -7,7 +7,10 @@ passes on (`broadcast_object`). With one rank there is no group and no collectiv
 
 The model's two collectives are registered ops (`srt::tp_all_reduce`, `srt::tp_all_gather`):
 they return a new tensor and mutate nothing, so Dynamo keeps them opaque inside a compiled
-piece, Inductor calls them as they are, and a CUDA graph captures the NCCL kernels.
+piece, Inductor calls them as they are, and a CUDA graph captures the NCCL kernels. The
+sequence-parallel pass's ops over the token rows (`srt::tp_reduce_scatter_rows`,
+`srt::tp_row_shard`, `srt::tp_all_gather_rows`) are registered the same way; the model never
+calls them, only the graphs that pass rewrote do.
 """
 
 from __future__ import annotations
@@ -131,6 +134,68 @@ def _tp_all_gather(x: torch.Tensor, world_size: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(world_size)]
     dist.all_gather(parts, x.contiguous(), group=_group.device_group)
     return torch.cat(parts, dim=-1)
+
+
+# The sequence-parallel collectives (`srt.layers.sequence_parallel` puts them in the graph): a
+# [T, ...] tensor split over the ranks by rows, rank r holding rows r*c .. (r+1)*c - 1 of it
+# padded with zero rows to n*c, c = ceil(T / n) or 2 if more (the token count is any number).
+# The padding rows are reduced, normed and gathered like the others, then cut off by the
+# gather.
+
+
+def _rows_per_rank(total: int, world_size: int) -> int:
+    """ceil(total / world_size), at least 2. A symbolic `total` gives a symbolic expression
+    (no guard), the same for every shard. A row count that may be 1 would be guarded on
+    (broadcasting asks whether it is 1; the compiled graph's token range starts at 2), so a
+    shard has 2 rows even when the ranks hold fewer real ones."""
+    return torch.sym_max((total + world_size - 1) // world_size, 2)
+
+
+def _padded(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """`x` with zero rows appended up to a multiple of `world_size` (`x` itself if it is one)."""
+    pad = _rows_per_rank(x.shape[0], world_size) * world_size - x.shape[0]
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x.contiguous()
+
+
+def _new_shard(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """An empty shard of `x` (the ops' fake, and their output before it is written)."""
+    return x.new_empty(_rows_per_rank(x.shape[0], world_size), *x.shape[1:])
+
+
+# torch 2.11 has only the `_tensor` / `_into_tensor` names, which later versions deprecate.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_gather_rows_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+@register_custom_op("tp_reduce_scatter_rows", mutates_args=(), fake_impl=_new_shard)
+def _tp_reduce_scatter_rows(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """This rank's rows of the sum of `x` over the ranks (a [ceil(T/n), ...] shard)."""
+    assert _group is not None and _group.size == world_size
+    out = _new_shard(x, world_size)
+    _reduce_scatter(out, _padded(x, world_size), group=_group.device_group)
+    return out
+
+
+@register_custom_op("tp_row_shard", mutates_args=(), fake_impl=_new_shard)
+def _tp_row_shard(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """This rank's rows of `x` (the same on every rank: no communication), as a new tensor."""
+    assert _group is not None and _group.size == world_size
+    rows = _rows_per_rank(x.shape[0], world_size)
+    return _padded(x, world_size)[_group.rank * rows : (_group.rank + 1) * rows].clone()
+
+
+def _gather_rows_fake(x: torch.Tensor, total: int, world_size: int) -> torch.Tensor:
+    return x.new_empty(total, *x.shape[1:])
+
+
+@register_custom_op("tp_all_gather_rows", mutates_args=(), fake_impl=_gather_rows_fake)
+def _tp_all_gather_rows(x: torch.Tensor, total: int, world_size: int) -> torch.Tensor:
+    """Every rank's shard `x` stacked in rank order, the padding cut off: [total, ...]. `total`
+    is an argument so that the fake knows the output's rows."""
+    assert _group is not None and _group.size == world_size
+    out = x.new_empty(x.shape[0] * world_size, *x.shape[1:])
+    _gather_rows_into(out, x.contiguous(), group=_group.device_group)
+    return out[:total]
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

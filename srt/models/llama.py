@@ -16,6 +16,7 @@ from srt.layers.embedding import LMHead, VocabEmbedding
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import ColumnParallelLinear, RowParallelLinear
 from srt.layers.rotary_embedding import RotaryEmbedding
+from srt.layers.sequence_parallel import sequence_parallel  # noqa: F401  (registers the pass)
 from srt.model_config import ModelConfig
 
 
