@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch import fx
 
@@ -49,6 +50,29 @@ def tc_engine(model: Path, cache: Path, compiler: str, **kwargs: Any) -> Engine:
         cuda_graph_tc_compiler=compiler,
         **options,
     )
+
+
+def count_inductor_compiles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per Inductor compile from now on (a warm start makes none)."""
+    calls: list[int] = []
+    real = torch._inductor.standalone_compile
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", counted)
+    return calls
+
+
+def no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make a Dynamo trace fail the test."""
+    from srt.compilation.piecewise_model import PiecewiseModel
+
+    def traced(*args: object) -> None:
+        raise AssertionError("traced with Dynamo")
+
+    monkeypatch.setattr(PiecewiseModel, "_trace", traced)
 
 
 def count_rsqrt(graph: fx.Graph) -> int:

@@ -26,15 +26,16 @@ import torch
 from compile_helpers import (
     KERNEL_PASS_MATCHES,
     KERNEL_PASSES,
+    count_inductor_compiles,
     greedy_ids,
     max_logit_error,
+    no_trace,
     tc_engine,
 )
 
 from srt import Engine
 from srt.compilation.cache import pack_artifact, unpack_artifact
 from srt.compilation.cache_root import TOOL_CACHE_DIRS
-from srt.compilation.piecewise_model import PiecewiseModel
 
 
 @pytest.fixture(scope="module")
@@ -54,18 +55,6 @@ def compile_info(eng: Engine) -> dict[str, Any]:
 
 def sources(info: dict[str, Any]) -> list[str]:
     return [p["inductor"]["source"] for p in info["pieces"]]
-
-
-def count_inductor_compiles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
-    real = torch._inductor.standalone_compile
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch._inductor, "standalone_compile", counted)
-    return calls
 
 
 def test_inductor_pieces_match_the_uncompiled_model(
@@ -95,11 +84,7 @@ def test_a_warm_start_compiles_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     calls = count_inductor_compiles(monkeypatch)
-
-    def traced(*args: object) -> None:
-        raise AssertionError("traced with Dynamo")
-
-    monkeypatch.setattr(PiecewiseModel, "_trace", traced)
+    no_trace(monkeypatch)
     with caplog.at_level(logging.INFO, logger="srt.compilation"):
         with tc_engine(tiny_llama, cache_root, "inductor") as warm:
             info = compile_info(warm)

@@ -18,12 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from compile_helpers import greedy_ids, max_logit_error, tc_engine
+from compile_helpers import (
+    count_inductor_compiles,
+    greedy_ids,
+    max_logit_error,
+    no_trace,
+    tc_engine,
+)
 
 from srt import Engine
 from srt.compilation.dispatch import PieceFn
-from srt.compilation.piecewise_model import PiecewiseModel
 from srt.model_config import ModelConfig
 from srt.model_executor.graphs.config import GraphConfigError
 from srt.model_executor.graphs.piecewise import PieceGraphs
@@ -44,18 +48,6 @@ def cold(tiny_llama: Path, cache_root: Path, partitions_on_the_cpu: None) -> Ite
 
 def compile_info(eng: Engine) -> dict[str, Any]:
     return eng.get_server_info()["compile"]
-
-
-def count_inductor_compiles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
-    real = torch._inductor.standalone_compile
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch._inductor, "standalone_compile", counted)
-    return calls
 
 
 def test_one_compile_cut_into_a_partition_per_piece(
@@ -85,11 +77,7 @@ def test_a_warm_start_compiles_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls = count_inductor_compiles(monkeypatch)
-
-    def traced(*args: object) -> None:
-        raise AssertionError("traced with Dynamo")
-
-    monkeypatch.setattr(PiecewiseModel, "_trace", traced)
+    no_trace(monkeypatch)
     with tc_engine(tiny_llama, cache_root, "inductor", **PARTITION) as warm:
         info = compile_info(warm)
         assert greedy_ids(warm) == reference

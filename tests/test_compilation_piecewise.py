@@ -21,6 +21,7 @@ from compile_helpers import (
     greedy_ids,
     make_plan,
     max_logit_error,
+    no_trace,
     tc_engine,
 )
 from graph_emulation import EmulatedCapturer
@@ -155,15 +156,6 @@ def test_greedy_ids_and_logits_match_the_uncompiled_model(
 
 
 # ---- warm start: the saved graph instead of the trace ------------------------------------------
-
-
-def no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make a Dynamo trace fail the test."""
-
-    def traced(*args: object) -> None:
-        raise AssertionError("traced with Dynamo")
-
-    monkeypatch.setattr(PiecewiseModel, "_trace", traced)
 
 
 def test_a_warm_start_loads_the_graph_instead_of_tracing(
