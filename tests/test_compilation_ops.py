@@ -72,11 +72,23 @@ def all_gather_sample() -> Sample:
     return (torch.randn(3, 8), 1), one_rank_group()
 
 
+def rows_sample(*extra: int) -> Callable[[], Sample]:
+    """The sequence-parallel row collectives, on 5 rows (`extra`: their int arguments)."""
+
+    def sample() -> Sample:
+        return (torch.randn(5, 8), *extra), one_rank_group()
+
+    return sample
+
+
 # One sample per op: an op registered without a sample here fails the coverage test.
 SAMPLES: dict[str, Callable[[], Sample]] = {
     "srt::attention": attention_sample,
     "srt::tp_all_reduce": all_reduce_sample,
     "srt::tp_all_gather": all_gather_sample,
+    "srt::tp_reduce_scatter_rows": rows_sample(1),
+    "srt::tp_row_shard": rows_sample(1),
+    "srt::tp_all_gather_rows": rows_sample(5, 1),
     **{f"srt::{op}": layer_op_sample(f"srt::{op}") for op in OPS},
     "srt::skinny_matmul_silu_and_mul": layer_op_sample("srt::skinny_matmul_silu_and_mul"),
 }
