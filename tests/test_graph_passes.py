@@ -113,3 +113,14 @@ def test_the_flag_is_checked_before_anything_compiles(
     for options, message in cases:
         with pytest.raises(GraphConfigError, match=message):
             tc_engine(tiny_llama, tmp_path, "inductor", **options)
+
+
+def test_all_leaves_out_what_the_mode_cannot_run(
+    graph_pass_registry: None, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`all` in the piecewise mode: every pass but those that need the partition mode."""
+    register_graph_pass("across_splits", whole_graph=True)(lambda g: 0)
+    register_graph_pass("count_rsqrt")(count_rsqrt)
+    with tc_engine(tiny_llama, tmp_path, "inductor", compile_passes=["all"]) as eng:
+        passes = eng.get_server_info()["compile"]["passes"]
+    assert "count_rsqrt" in passes and "across_splits" not in passes

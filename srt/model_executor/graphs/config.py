@@ -215,7 +215,12 @@ def resolve_compile_passes(
             f"graph, but {missing}"
         )
     whole = whole_graph_passes(names)
-    if whole and not args.inductor_graph_partition:
+    named = {p.strip() for entry in args.compile_passes or () for p in entry.split(",")}
+    if whole and not args.inductor_graph_partition and named == {"all"}:
+        # `all`: every pass this mode can run; a pass named alone is refused below.
+        logger.info("--compile-passes all: %s left out (partition mode only)", ", ".join(whole))
+        names = [name for name in names if name not in whole]
+    elif whole and not args.inductor_graph_partition:
         raise GraphConfigError(
             f"--compile-passes: {', '.join(whole)} rewrite(s) the graph across the split ops "
             "and need(s) --inductor-graph-partition"
