@@ -372,6 +372,19 @@ def test_every_file_and_directory_the_cache_writes_is_private(
     assert loose == []
 
 
+def cuda_engine(model: Path, dtype: str, **kwargs: Any) -> Engine:
+    """The tiny model on CUDA with small ladders (the GPU tests' engines)."""
+    return Engine(
+        model_path=str(model),
+        device="cuda",
+        dtype=dtype,
+        max_total_tokens=4096,
+        cuda_graph_bs_prefill=[8, 16],
+        cuda_graph_bs_decode=[1, 2, 4],
+        **kwargs,
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("capture", "partition"),
@@ -389,15 +402,7 @@ def test_cuda_pieces_with_graphs_match_eager_and_warm_start(
     the partition mode, Inductor's partitions) or whole; eager's ids, cold and warm."""
 
     def engine(**kwargs: Any) -> Engine:
-        return Engine(
-            model_path=str(tiny_llama),
-            device="cuda",
-            dtype="float32",
-            max_total_tokens=4096,
-            cuda_graph_bs_prefill=[8, 16],
-            cuda_graph_bs_decode=[1, 2, 4],
-            **kwargs,
-        )
+        return cuda_engine(tiny_llama, "float32", **kwargs)
 
     with engine(disable_cuda_graph=True) as eager:
         expected = greedy_ids(eager)
@@ -439,15 +444,7 @@ def test_cuda_kernel_passes_give_eager_ids_in_bfloat16(
     plain add where every user is pointwise (the final norm, the whole graph's)."""
 
     def engine(**kwargs: Any) -> Engine:
-        return Engine(
-            model_path=str(tiny_llama),
-            device="cuda",
-            dtype="bfloat16",
-            max_total_tokens=4096,
-            cuda_graph_bs_prefill=[8, 16],
-            cuda_graph_bs_decode=[1, 2, 4],
-            **kwargs,
-        )
+        return cuda_engine(tiny_llama, "bfloat16", **kwargs)
 
     with engine(disable_cuda_graph=True) as eager:
         expected = greedy_ids(eager)
