@@ -80,6 +80,35 @@ def test_kernels_compile_ahead_on_cuda_only(tiny_llama: Path, tmp_path: Path) ->
         assert info["runner"]["compile_ahead"] is None
 
 
+def test_the_compile_ahead_forwards_run_the_first_layer_only(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`first_layer_only`, around the compile-ahead block's forwards: inside, a forward runs
+    layer 0 alone (every layer's kernels, one time each); after it, every layer again and the
+    same logits as before it."""
+    with make_engine(tiny_llama, tmp_path, skip_warmup=True) as eng:
+        model = eng.runner.model
+        calls: list[int] = []
+        hooks = [
+            layer.register_forward_hook(lambda *_, i=i: calls.append(i))
+            for i, layer in enumerate(model.model.layers)
+        ]
+        plan = warmup_plans(eng.runner.context_length)[0]
+        runner = eng.runner.phase_runners[plan.mode]
+        with eng.runner._dummy_steps():
+            _, before = runner.run_general(plan)
+            calls.clear()
+            with model.first_layer_only():
+                runner.run_general(plan)
+            assert calls == [0]
+            calls.clear()
+            _, after = runner.run_general(plan)
+        assert calls == list(range(len(model.model.layers))) and len(calls) > 1
+        assert torch.equal(before, after)
+        for hook in hooks:
+            hook.remove()
+
+
 def test_skip_warmup_runs_nothing(
     tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

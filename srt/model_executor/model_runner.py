@@ -340,9 +340,10 @@ class ModelRunner:
         self.ahead_began = time.time()
         block = AheadBlock(self.device, threads, workers=self.compile_workers)
         try:
-            with self._dummy_steps(), block.launching():
+            with self._dummy_steps(), block.launching(), self.model.first_layer_only():
                 # Decode first: its attention kernel is the longest compile (r22, r25: 1.5-1.9
-                # s on a worker), and the block ends with the last compile handed out.
+                # s on a worker). One layer each: the forwards' hand-outs then take a few ms,
+                # not 0.4-0.6 s (r32-r34), before the compiles that end the block.
                 for plan in sorted(plans, key=lambda p: p.forward_mode != ForwardMode.DECODE):
                     runner = self.phase_runners[plan.mode]
                     batch, logits = runner.run_general(plan)

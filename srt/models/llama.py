@@ -6,6 +6,9 @@ share one token dimension. `compute_logits` maps selected hidden states to logit
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -147,3 +150,18 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.modules() if isinstance(m, Attention)]
+
+    @contextmanager
+    def first_layer_only(self) -> Iterator[None]:
+        """Forwards through the first decoder layer alone (between the embedding and the final
+        norm): every layer launches the same kernels with the same shapes, so one layer
+        launches all a forward does. The compile-ahead block's forwards run so, to hand every
+        compile out at once (r34: the prefill's extend kernel was handed out half a second
+        in, behind the decode forward's 16 layers, and its compile then ended the block). A
+        graph traced before is unchanged: it holds its own references to the layers."""
+        layers = self.model.layers
+        self.model.layers = nn.ModuleList(layers[:1])
+        try:
+            yield
+        finally:
+            self.model.layers = layers
