@@ -155,8 +155,8 @@ class LlamaForCausalLM(nn.Module):
     def first_layer_only(self) -> Iterator[None]:
         """Forwards through the first decoder layer alone (between the embedding and the final
         norm): every layer launches the same kernels with the same shapes, so one layer
-        launches all a forward does. The compile-ahead block's forwards run so, to hand every
-        compile out at once (r34: the prefill's extend kernel was handed out half a second
+        launches all a forward does. The compile-ahead block's forwards run so, to hand the
+        compiles out sooner (r34: the prefill's extend kernel was handed out half a second
         in, behind the decode forward's 16 layers, and its compile then ended the block). A
         graph traced before is unchanged: it holds its own references to the layers."""
         layers = self.model.layers
