@@ -55,6 +55,10 @@
 #                        1 on a fresh KV pool, then after 1,024 requests at 128)
 #   noloss-SHAPE         2,000 requests at concurrency 128 (128 prompt tokens, 256 new) with
 #                        the server's defaults and NOLOSS_FLAGS: all finish whole?
+#   profile_start-SHAPE  scripts/profile_engine_start.py: a first start (empty cache) of the
+#                        in-process engine, dummy weights, cProfile within PROFILE_WITHIN (a
+#                        ModelRunner method, default _hand_out_compiles: the compile-ahead
+#                        block's forwards), into profile_start-SHAPE.txt
 #   attention            srt.bench.attention on the 1B and 8B heads, for ATTENTION_BACKENDS
 #                        (default: triton flashinfer)
 # SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first (again
@@ -90,6 +94,33 @@ fi
 # SITE_FIRST=DIR: packages installed there come before the carried wheels and the host's own
 # (another transformers, say, to compare a start under each in one call).
 [ -n "${SITE_FIRST:-}" ] && export PYTHONPATH=$SITE_FIRST:$PYTHONPATH
+# Every dependency pyproject.toml declares, as this round would import it, at or above its
+# floor: r35 carried wheels without transformers and ran the host's 5.17 (below the 5.23
+# floor), whose tokenizer load (3.3-3.8 s against 1.0-1.3) then bounded every start it timed.
+# BELOW_FLOOR_OK=1 runs anyway (a round that compares versions on purpose, with SITE_FIRST).
+python3 - <<'PY' || [ "${BELOW_FLOOR_OK:-0}" = 1 ] || exit 1
+import importlib.metadata as metadata
+import sys
+import tomllib
+
+from packaging.requirements import Requirement
+
+with open("pyproject.toml", "rb") as f:
+    declared = tomllib.load(f)["project"]["dependencies"]
+below = []
+for line in declared:
+    requirement = Requirement(line)
+    try:
+        version = metadata.version(requirement.name)
+    except metadata.PackageNotFoundError:
+        print(f"dependency check: {requirement.name} is not installed here")
+        continue
+    if not requirement.specifier.contains(version, prereleases=True):
+        below.append(f"{requirement.name} {version} (srt needs {requirement.specifier})")
+if below:
+    sys.exit("dependency check: below pyproject.toml's floor: " + "; ".join(below)
+             + " (carry its wheel in .whl/, docs/benchmarks.md)")
+PY
 if [ "${PYCACHE:-0}" = 1 ]; then
   unset PYTHONDONTWRITEBYTECODE
   export PYTHONPYCACHEPREFIX=$work/pycache
@@ -113,6 +144,8 @@ export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$work/flashinfer}
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__,
               'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  python3 -c "import importlib.metadata as m; print(*(f'{p} {m.version(p)}' for p in
+              ('transformers', 'tokenizers', 'huggingface_hub')))"
   # The host's CPUs: its hyperthreads, cores and model say what the processes share.
   lscpu | grep -E '^(Model name|CPU\(s\)|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|CPU max MHz)'
 } > "$out/environment.txt" 2>&1
@@ -250,6 +283,16 @@ for info in pkgutil.walk_packages(srt.__path__, 'srt.'):
   fi
 }
 
+profile_start() {  # a first start of the engine, profiled within one ModelRunner method
+  local shape=$1
+  shape_dir "$shape"
+  rm -rf "$work/profile-cache-$shape"
+  step "profile_start-$shape" python3 scripts/profile_engine_start.py "$SHAPE_DIR" \
+    "$work/profile-cache-$shape" "$out/profile_start-$shape.txt" \
+    --within "${PROFILE_WITHIN:-_hand_out_compiles}"
+  tail -n 2 "$work/logs/profile_start-$shape.log"
+}
+
 noloss() {  # 2,000 requests at concurrency 128, 128 prompt tokens and 256 new: every one must
   # finish with its count, the KV come back, no capture or JIT compile inside the window
   local shape=$1 name="noloss-$1"
@@ -313,6 +356,7 @@ for stage in "$@"; do
     runner-*) runner "${stage#runner-}" ;;
     noloss-*) noloss "${stage#noloss-}" ;;
     cold_start-*) cold_start "${stage#cold_start-}" ;;
+    profile_start-*) profile_start "${stage#profile_start-}" ;;
     serving-*) serving "${stage#serving-}" ;;
     frontend)  # the main process alone, against a stand-in scheduler at the runner's step;
       # with a baseline tree in .baseline (srt/ of an earlier commit), that one too
