@@ -55,10 +55,10 @@
 #                        1 on a fresh KV pool, then after 1,024 requests at 128)
 #   noloss-SHAPE         2,000 requests at concurrency 128 (128 prompt tokens, 256 new) with
 #                        the server's defaults and NOLOSS_FLAGS: all finish whole?
-#   profile_start-SHAPE  scripts/profile_engine_start.py: a first start (empty cache) of the
-#                        in-process engine, dummy weights, cProfile within PROFILE_WITHIN (a
-#                        ModelRunner method, default _hand_out_compiles: the compile-ahead
-#                        block's forwards), into profile_start-SHAPE.txt
+#   profile_start-SHAPE  scripts/profile_engine_start.py: first starts (empty cache) of the
+#                        in-process engine, dummy weights, each under cProfile within one of
+#                        PROFILE_WITHIN's ModelRunner methods (default _hand_out_compiles: the
+#                        compile-ahead block's forwards), into profile_start-SHAPE-METHOD.txt
 #   attention            srt.bench.attention on the 1B and 8B heads, for ATTENTION_BACKENDS
 #                        (default: triton flashinfer)
 # SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first (again
@@ -283,14 +283,16 @@ for info in pkgutil.walk_packages(srt.__path__, 'srt.'):
   fi
 }
 
-profile_start() {  # a first start of the engine, profiled within one ModelRunner method
-  local shape=$1
+profile_start() {  # first starts of the engine, each profiled within one ModelRunner method
+  local shape=$1 method
   shape_dir "$shape"
-  rm -rf "$work/profile-cache-$shape"
-  step "profile_start-$shape" python3 scripts/profile_engine_start.py "$SHAPE_DIR" \
-    "$work/profile-cache-$shape" "$out/profile_start-$shape.txt" \
-    --within "${PROFILE_WITHIN:-_hand_out_compiles}"
-  tail -n 2 "$work/logs/profile_start-$shape.log"
+  for method in ${PROFILE_WITHIN:-_hand_out_compiles}; do
+    local name="profile_start-$shape-${method#_}"
+    rm -rf "$work/profile-cache-$shape"
+    step "$name" python3 scripts/profile_engine_start.py "$SHAPE_DIR" \
+      "$work/profile-cache-$shape" "$out/$name.txt" --within "$method"
+    tail -n 2 "$work/logs/$name.log"
+  done
 }
 
 noloss() {  # 2,000 requests at concurrency 128, 128 prompt tokens and 256 new: every one must
