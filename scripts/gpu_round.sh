@@ -58,7 +58,9 @@
 #   profile_start-SHAPE  scripts/profile_engine_start.py: first starts (empty cache) of the
 #                        in-process engine, dummy weights, each under cProfile within one of
 #                        PROFILE_WITHIN's ModelRunner methods (default _hand_out_compiles: the
-#                        compile-ahead block's forwards), into profile_start-SHAPE-METHOD.txt
+#                        compile-ahead block's forwards), into profile_start-SHAPE-METHOD.txt;
+#                        PROFILE_FLAGS: Engine fields (FIELD=VALUE ...); PROFILE_WARM=1: a warm
+#                        start instead (one unprofiled start fills the cache first)
 #   attention            srt.bench.attention on the 1B and 8B heads, for ATTENTION_BACKENDS
 #                        (default: triton flashinfer)
 # SHAPE is llama-3.2-1b or llama-3-8b. Carried wheels (.whl/*.whl) are installed first (again
@@ -286,11 +288,17 @@ for info in pkgutil.walk_packages(srt.__path__, 'srt.'):
 profile_start() {  # first starts of the engine, each profiled within one ModelRunner method
   local shape=$1 method
   shape_dir "$shape"
+  local cache="$work/profile-cache-$shape" tag=${PROFILE_WARM:+-warm}
   for method in ${PROFILE_WITHIN:-_hand_out_compiles}; do
-    local name="profile_start-$shape-${method#_}"
-    rm -rf "$work/profile-cache-$shape"
-    step "$name" python3 scripts/profile_engine_start.py "$SHAPE_DIR" \
-      "$work/profile-cache-$shape" "$out/$name.txt" --within "$method"
+    local name="profile_start-$shape-${method#_}$tag"
+    rm -rf "$cache"
+    # PROFILE_WARM=1: a start that fills the cache first, unprofiled
+    # shellcheck disable=SC2086
+    [ -n "${PROFILE_WARM:-}" ] && step "$name-fill" python3 scripts/profile_engine_start.py \
+      "$SHAPE_DIR" "$cache" - ${PROFILE_FLAGS:-}
+    # shellcheck disable=SC2086
+    step "$name" python3 scripts/profile_engine_start.py "$SHAPE_DIR" "$cache" \
+      "$out/$name.txt" --within "$method" ${PROFILE_FLAGS:-}
     tail -n 2 "$work/logs/$name.log"
   done
 }

@@ -4,7 +4,8 @@ seconds go (the runner's imports, its warm-up, Dynamo's and Inductor's loads).
     python scripts/profile_engine_start.py MODEL_DIR CACHE_DIR (PROFILE_OUT | -) [FIELD=VALUE...]
         [--within METHOD]
 
-FIELD=VALUE are `Engine` keyword arguments (e.g. cuda_graph_backend_decode=full); weights are
+FIELD=VALUE are `Engine` keyword arguments (e.g. cuda_graph_backend_decode=full, a Python
+literal where the value is one: inductor_graph_partition=True); weights are
 drawn at random (`load_format=dummy`), bf16. Run it twice on one CACHE_DIR for a warm start;
 on an empty CACHE_DIR the runner compiles its warm-up's kernels ahead, in worker processes as
 in the server. `--within METHOD` profiles only the calls of that `ModelRunner` method (e.g.
@@ -15,12 +16,21 @@ profile of the whole start merges what a function calls across all its callers.
 from __future__ import annotations
 
 import argparse
+import ast
 import cProfile
 import functools
 import io
 import pstats
 import time
 from typing import Any
+
+
+def _value(text: str) -> Any:
+    """A field's value: a Python literal (True, 8, 0.5) where it is one, else the string."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def profile_within(profiler: cProfile.Profile, method: str) -> None:
@@ -51,7 +61,9 @@ def main() -> None:
     kwargs = dict(
         model_path=ns.model, load_format="dummy", compile_cache_dir=ns.cache, dtype="bfloat16"
     )
-    kwargs.update(field.split("=", 1) for field in ns.fields)
+    for field in ns.fields:
+        name, value = field.split("=", 1)
+        kwargs[name] = _value(value)
     profiler = cProfile.Profile() if ns.profile_out != "-" else None
     start = time.perf_counter()
     if profiler is not None and ns.within:
