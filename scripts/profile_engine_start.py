@@ -33,21 +33,27 @@ def _value(text: str) -> Any:
         return text
 
 
-def profile_within(profiler: cProfile.Profile, method: str) -> None:
-    """Make `ModelRunner.<method>` run under `profiler`, and nothing else."""
+def profile_within(profiler: cProfile.Profile, method: str) -> list[float]:
+    """Make `ModelRunner.<method>` run under `profiler`, and nothing else; returns the list
+    that each of its calls adds its seconds to (empty: this start did not call it)."""
     from srt.model_executor.model_runner import ModelRunner
 
     original = getattr(ModelRunner, method)
 
+    calls: list[float] = []
+
     @functools.wraps(original)
     def profiled(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
         profiler.enable()
         try:
             return original(*args, **kwargs)
         finally:
             profiler.disable()
+            calls.append(time.perf_counter() - start)
 
     setattr(ModelRunner, method, profiled)
+    return calls
 
 
 def main() -> None:
@@ -57,7 +63,7 @@ def main() -> None:
     parser.add_argument("profile_out", help="where the profile's text goes; - for no profile")
     parser.add_argument("fields", nargs="*", help="Engine keyword arguments, FIELD=VALUE")
     parser.add_argument("--within", metavar="METHOD", help="profile only this ModelRunner method")
-    ns = parser.parse_args()
+    ns = parser.parse_intermixed_args()  # fields may follow --within
     kwargs = dict(
         model_path=ns.model, load_format="dummy", compile_cache_dir=ns.cache, dtype="bfloat16"
     )
@@ -66,8 +72,9 @@ def main() -> None:
         kwargs[name] = _value(value)
     profiler = cProfile.Profile() if ns.profile_out != "-" else None
     start = time.perf_counter()
+    calls: list[float] | None = None
     if profiler is not None and ns.within:
-        profile_within(profiler, ns.within)
+        calls = profile_within(profiler, ns.within)
     elif profiler is not None:
         profiler.enable()
     from srt.engine import Engine  # inside the profile: its imports are part of a start
@@ -82,7 +89,9 @@ def main() -> None:
         f"{info.warmup_s} load {info.load_s} device_init {info.device_init_s}; "
         f"compile ahead {info.compile_ahead}"
     )
-    if profiler is not None:
+    if calls == []:
+        print(f"ModelRunner.{ns.within} was not called on this start: nothing profiled")
+    elif profiler is not None:
         out = io.StringIO()
         stats = pstats.Stats(profiler, stream=out)
         stats.sort_stats("cumulative").print_stats("/srt/", 45)

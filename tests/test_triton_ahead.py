@@ -253,18 +253,29 @@ def test_the_pool_threads_compile_on_the_device_asked_for(
 def test_the_disk_cache_entries_are_the_kernels_triton_saved(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A start compiles ahead only while Triton's disk cache is empty (a warm start's launches
-    load their kernels): one directory per kernel, a missing cache counts none."""
+    """A start compiles ahead only while Triton's disk cache holds no kernel (a warm start's
+    launches load theirs): a directory with Triton's group file per kernel; a missing cache,
+    a stray file and a C module Triton built there (its driver's utilities, made on a thread
+    before the runner asks) count none."""
     from srt.compilation.triton_workers import disk_cache_entries
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     assert disk_cache_entries() == 0
     (tmp_path / "triton").mkdir()
     (tmp_path / "triton" / "stray.lock").write_text("")
+    (tmp_path / "triton" / "U5TLS").mkdir()
+    (tmp_path / "triton" / "U5TLS" / "cuda_utils.cpython-312-x86_64-linux-gnu.so").write_text("")
     assert disk_cache_entries() == 0
     for name in ("K3QRZ", "A7XPL"):
-        (tmp_path / "triton" / name).mkdir()
+        save_kernel_entry(tmp_path / "triton" / name)
     assert disk_cache_entries() == 2
+
+
+def save_kernel_entry(directory: Path) -> None:
+    """What Triton's disk cache holds for one compiled kernel, as far as the count looks."""
+    directory.mkdir(parents=True)
+    (directory / "_scale.cubin").write_bytes(b"")
+    (directory / "__grp___scale.json").write_text("{}")
 
 
 def test_compile_workers_start_on_a_first_start_on_cuda_only(
@@ -303,7 +314,7 @@ def test_compile_workers_start_on_a_first_start_on_cuda_only(
     assert start(device="cuda", compile_threads=3) == "workers" and started == [3]
     assert start(device="cuda") == "workers"
     assert started[-1] == min(usable_cpus(), MAX_WORKERS)
-    (tmp_path / "cache" / "triton" / "K3QRZ").mkdir()  # a kernel saved: a warm start
+    save_kernel_entry(tmp_path / "cache" / "triton" / "K3QRZ")  # a warm start
     assert start(device="cuda") is None and len(started) == 2
 
 
