@@ -93,6 +93,8 @@ def main() -> None:
         print(f"ModelRunner.{ns.within} was not called on this start: nothing profiled")
     elif profiler is not None:
         out = io.StringIO()
+        if calls is not None:  # its own wall time, under the profiler's overhead
+            out.write(f"ModelRunner.{ns.within}: {len(calls)} call(s), {sum(calls):.3f} s\n")
         stats = pstats.Stats(profiler, stream=out)
         stats.sort_stats("cumulative").print_stats("/srt/", 45)
         stats.sort_stats("cumulative").print_stats(60)
