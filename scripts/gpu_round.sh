@@ -195,6 +195,8 @@ runner() {  # the decode paths of srt and the alternatives on one shape
     [breakable]="--cuda-graph-backend-decode breakable"
     [tc-eager]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler eager"
     [tc-inductor]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor"
+    [full-aot]="--cuda-graph-backend-decode full --cuda-graph-tc-compiler aot_inductor"
+    [tc-aot]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler aot_inductor"
     [tc-partition]="--cuda-graph-backend-decode tc_piecewise --cuda-graph-tc-compiler inductor --inductor-graph-partition"
     [full-partition]="--cuda-graph-backend-decode full --cuda-graph-tc-compiler inductor --inductor-graph-partition"
     [prefill-full]="--cuda-graph-backend-decode full --cuda-graph-backend-prefill full"

@@ -127,9 +127,10 @@ class ServerArgs:
     )
     cuda_graph_tc_compiler: str | None = _opt(
         None,
-        "Compiler of the traced general graph (eager or inductor), for every tc_piecewise "
-        "phase and, unless --enable-torch-compile, every full phase (which then captures the "
-        "compiled forward).",
+        "Compiler of the traced general graph (eager, inductor, or aot_inductor: each piece "
+        "an AOTInductor package, which a warm start loads without importing Dynamo or "
+        "Inductor), for every tc_piecewise phase and, unless --enable-torch-compile, every "
+        "full phase (which then captures the compiled forward).",
     )
     inductor_graph_partition: bool = _opt(
         False,

@@ -122,6 +122,7 @@ def test_no_tc_phase_still_reports_the_split_ops(tiny_llama: Path) -> None:
         "num_unique_pieces": 0,
         "compilers": [],
         "graph_source": None,
+        "bound": None,
         "dynamo_s": 0.0,
         "graph_load_s": 0.0,
         "compile_s": 0.0,
@@ -167,7 +168,9 @@ def test_a_warm_start_loads_the_graph_instead_of_tracing(
 ) -> None:
     cold = compile_info(engine)
     assert (cold["graph_source"], cold["graph_load_s"]) == ("traced", 0.0)
-    assert (Path(cold["cache_dir"]) / "pieces" / "graph-eager-t8192.bin").is_file()
+    # Eager pieces load without Dynamo: the split graph is saved bound, not as Dynamo's capture.
+    assert (Path(cold["cache_dir"]) / "pieces" / "bound-graph-eager-t8192.bin").is_file()
+    assert cold["bound"] is True
     no_trace(monkeypatch)
     with tc_engine(tiny_llama, cache_root, "eager") as warm:
         info = compile_info(warm)
@@ -194,7 +197,7 @@ def test_a_damaged_saved_graph_is_traced_again(
     entry = Path(compile_info(engine)["cache_dir"])
     root = tmp_path / "root"
     shutil.copytree(entry, root / entry.name)
-    saved = root / entry.name / "pieces" / "graph-eager-t8192.bin"
+    saved = root / entry.name / "pieces" / "bound-graph-eager-t8192.bin"
     data = bytearray(saved.read_bytes())
     data[-100] ^= 0xFF  # inside the payload: the checksum no longer matches
     saved.write_bytes(bytes(data))
@@ -352,7 +355,7 @@ def setup_factors(
         resolve_graph_config(args, device.type),
         resolve_custom_ops(args.custom_ops, missing),
         TPRank(rank, args.tp_size),
-        inductor=True,
+        inductor="inductor",
     )
 
 

@@ -251,7 +251,7 @@ def test_torch_compile_full_decode(
         close(eng)
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", "inductor", "aot_inductor"])
 def test_full_capture_of_the_compiled_general_graph(
     llama8: Path,
     tmp_path: Path,
@@ -260,7 +260,7 @@ def test_full_capture_of_the_compiled_general_graph(
 ) -> None:
     """Compile once, capture per bucket: one trace and one compile of the general graph serve
     every bucket of both phases; each bucket's first hit is a capture only."""
-    eng = engine(
+    eng = started_or_skipped(
         llama8,
         tmp_path,
         cuda_graph_backend_decode="full",
@@ -298,6 +298,47 @@ def test_full_capture_of_the_compiled_general_graph(
     assert decode["forward"]["tc_compiler"] == compiler
     assert (decode["replays"], decode["uncaptured_runs"]) == (2 * DECODE_STEPS, 0)
     assert set(decode["captured"]) >= {8, 4, 2, 1}
+
+
+def started_or_skipped(path: Path, cache: Path, **kwargs: Any) -> Engine:
+    """An engine, or a skip where AOTInductor's loader crashes on this machine (the start's
+    child-process check says so: torch 2.11.0+cu130 under driver 580.159 did)."""
+    try:
+        return engine(path, cache, **kwargs)
+    except Exception as e:
+        if "AOTInductor's loader does not run" in str(e):
+            pytest.skip(" ".join(str(e).split())[-600:])  # the child's own error last
+        raise
+
+
+def test_aot_inductor_packages_captured_per_piece_and_loaded_warm(
+    llama8: Path, tmp_path: Path
+) -> None:
+    """tc_piecewise over AOTInductor's packages (a CUDA graph per piece and bucket, the packages
+    run single-threaded inside the capture), against the same packages run uncaptured; a
+    second start loads them and the split graph without tracing."""
+    flags = {"cuda_graph_backend_decode": "tc_piecewise", "cuda_graph_tc_compiler": "aot_inductor"}
+    uncaptured = started_or_skipped(llama8, tmp_path, **flags, cuda_graph_mem_fraction=1e-9)
+    try:
+        want = generate(uncaptured)
+        assert uncaptured.get_server_info()["runner"]["compile"]["graph_source"] == "traced"
+    finally:
+        close(uncaptured)
+    eng = engine(llama8, tmp_path, **flags)
+    try:
+        rounds = [generate(eng) for _ in range(2)]
+        info = eng.get_server_info()
+    finally:
+        close(eng)
+    for got in rounds:
+        assert got == want, first_divergence(got, want)
+    compile_info = info["runner"]["compile"]
+    assert (compile_info["graph_source"], compile_info["traces"], compile_info["bound"]) == (
+        "loaded",
+        0,
+        True,
+    )
+    assert info["graphs"]["decode"]["forward"]["tc_compiler"] == "aot_inductor"
 
 
 def test_tiny_budget_skips_captures(

@@ -62,6 +62,14 @@ _TCPW_INDUCTOR = [
 ]
 # Decode captured whole over the once-compiled general graph: capture is all a bucket costs.
 _FULL_INDUCTOR = ["--cuda-graph-backend-decode", "full", "--cuda-graph-tc-compiler", "inductor"]
+# The same two over AOTInductor's packages (a warm start imports neither Dynamo nor Inductor).
+_TCPW_AOT = [
+    "--cuda-graph-backend-decode",
+    "tc_piecewise",
+    "--cuda-graph-tc-compiler",
+    "aot_inductor",
+]
+_FULL_AOT = ["--cuda-graph-backend-decode", "full", "--cuda-graph-tc-compiler", "aot_inductor"]
 # The same two over the partition mode (the whole graph compiled once, cut at the split ops).
 _PARTITION = ["--inductor-graph-partition"]
 PRESETS: dict[str, list[str]] = {
@@ -74,6 +82,10 @@ PRESETS: dict[str, list[str]] = {
     "full-inductor-upfront": [*_FULL_INDUCTOR, "--cuda-graph-capture", "upfront"],
     "tcpw-partition-lazy": [*_TCPW_INDUCTOR, *_PARTITION, "--cuda-graph-capture", "lazy"],
     "full-partition-lazy": [*_FULL_INDUCTOR, *_PARTITION, "--cuda-graph-capture", "lazy"],
+    # The split graph bound without Dynamo, its pieces as traced: a warm start imports no compiler.
+    "tcpw-eager-lazy": [*_TCPW_INDUCTOR[:3], "eager", "--cuda-graph-capture", "lazy"],
+    "tcpw-aot-lazy": [*_TCPW_AOT, "--cuda-graph-capture", "lazy"],
+    "full-aot-lazy": [*_FULL_AOT, "--cuda-graph-capture", "lazy"],
 }
 CACHE_STATES = ("cold", "warm")
 # Cleared for each server: set, a tool's cache would outlive the cold start.

@@ -9,8 +9,11 @@ a light one (`compile_info`, `private_files`) does not pay for torch and Dynamo.
 - `compile_info`: `CompileInfo`, the server info's `compile` section, light to import.
 - `backend`: the torch.compile backend Dynamo hands the traced graph to.
 - `compiled_forward`: what the backend returns, saved with Dynamo's capture for a warm start.
+- `bound_forward`: `BoundForward`, the split graph called without Dynamo (its inputs bound by
+  name), saved where every piece loads without the compiler.
 - `split`: the split at split ops and the piece signatures (identical pieces share).
-- `piece_compiler`: a piece compiled once for the general shape, `eager` or `inductor`.
+- `piece_compiler`: a piece compiled once for the general shape, `eager`, `inductor` or
+  `aot_inductor` (an AOTInductor package, loaded by torch's C++ loader).
 - `dispatch`: per piece, per bucket states and the `Specializer` hook (CUDA graphs plug in).
 - `cache`: the compile cache (`CompileCache`): an entry's directory, checked artifacts,
   Inductor's session and its file index.

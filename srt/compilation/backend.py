@@ -30,7 +30,13 @@ from srt.compilation.dispatch import PieceFn, Router
 from srt.compilation.errors import ShapeSpecializationError
 from srt.compilation.graph_passes import applying, passes_tag, whole_graph_passes
 from srt.compilation.op_registry import split_ops
-from srt.compilation.piece_compiler import CompiledPiece, compile_piece, load_piece
+from srt.compilation.piece_compiler import (
+    DYNAMO_FREE_COMPILERS,
+    INDUCTOR_COMPILERS,
+    CompiledPiece,
+    compile_piece,
+    load_piece,
+)
 from srt.compilation.split import SplitGraph, piece_signature, readable_graph, split_graph
 
 if TYPE_CHECKING:
@@ -42,6 +48,17 @@ logger = logging.getLogger(__name__)
 _HOW = {"eager": "the FX piece as is", "compiled": "compiled", "loaded": "loaded from the cache"}
 MIN_TOKENS = 2  # Dynamo specialises sizes 0 and 1, so the symbolic range starts at 2 ...
 SERVED_MIN_TOKENS = 1  # ... but with the guards dropped the general graph runs 1 token too
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """One input of the traced graph: Dynamo's name for it (after its source: `L_self_modules_
+    layers_modules_0_..._parameters_weight_`, `L_input_ids_`), its fake example, and whether
+    the graph reads it."""
+
+    name: str
+    example: Any
+    read: bool
 
 
 @dataclass
@@ -211,6 +228,7 @@ class PiecewiseBackend:
         title: str,
         partition: bool = False,
         passes: Sequence[str] = (),
+        device: torch.device | None = None,
     ) -> None:
         if partition and list(compilers) != ["inductor"]:
             raise ValueError(f"the partition mode compiles with Inductor alone, not {compilers}")
@@ -225,6 +243,7 @@ class PiecewiseBackend:
         self.passes_tag = passes_tag(passes)
         self.pass_matches: dict[str, int] | None = None  # per pass, when compiled here
         self.compilers = list(compilers)
+        self.device = device or torch.device("cpu")  # where the pieces run (AOTInductor's)
         self.cache = cache
         self.router = router
         self.max_tokens = max_tokens
@@ -237,6 +256,18 @@ class PiecewiseBackend:
         self.compile_s = 0.0
         self.traces = 0
         self.decisions: list[TokenDecision] = []  # filled while tracing (PiecewiseModel.trace)
+        # The traced graph's inputs, in order: each placeholder's name, its fake example and
+        # whether a node reads it (what `bound_forward` binds a warm start's call to); and
+        # whether the graph returns one value.
+        self.graph_inputs: list[GraphInput] = []
+        self.single_output = False
+        self.compiled: CompiledForward | None = None  # the piecewise mode's, when traced here
+
+    @property
+    def dynamo_free(self) -> bool:
+        """Whether a warm start can run the saved split graph without Dynamo: every piece
+        loads without the compiler (`eager`, `aot_inductor`)."""
+        return not self.partition and all(c in DYNAMO_FREE_COMPILERS for c in self.compilers)
 
     @property
     def cache_hit(self) -> bool | None:
@@ -245,7 +276,7 @@ class PiecewiseBackend:
             p[c]["source"]
             for p in self.pieces_info
             for c in self.compilers
-            if c == "inductor" and p[c]["source"] != "shared"
+            if c in INDUCTOR_COMPILERS and p[c]["source"] != "shared"
         ]
         return all(s == "loaded" for s in sources) if sources else None
 
@@ -273,6 +304,16 @@ class PiecewiseBackend:
     ) -> CompiledForward | PartitionedForward:
         if self.partition:
             return self._compile_whole(gm, example_inputs)
+        # Dynamo's example of each (fake, with the token count's symbol; the call's own
+        # example inputs are the real tensors).
+        self.graph_inputs = [
+            GraphInput(str(node.target), node.meta.get("example_value", example), bool(node.users))
+            for node, example in zip(
+                (n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs, strict=True
+            )
+        ]
+        output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
+        self.single_output = isinstance(output.args[0], tuple | list) and len(output.args[0]) == 1
         split = split_graph(gm)
         logger.info(
             "split at %s: %d compilable pieces, %d split regions",
@@ -285,11 +326,12 @@ class PiecewiseBackend:
         args = _piece_args(split, example_inputs, fake_mode)
         signatures = [piece_signature(split.submodule(name), args[name]) for name in split.pieces]
         forward = CompiledForward(split, signatures)
+        self.compiled = forward
         self._set_pieces(
             split,
             signatures,
             lambda compiler, name, artifact: compile_piece(
-                compiler, split.submodule(name), args[name], self.cache, artifact
+                compiler, split.submodule(name), args[name], self.cache, artifact, self.device
             ),
         )
         return forward
@@ -311,16 +353,21 @@ class PiecewiseBackend:
             self._set_whole(forward, whole)
             self.compile_s = time.perf_counter() - start
             return True
-        split = forward.split
+        return self.restore_pieces(forward.split, forward.signatures)
+
+    def restore_pieces(self, split: SplitGraph, signatures: list[str]) -> bool:
+        """Route a saved split graph's pieces, each loaded from the cache; False, routing
+        nothing, when the cache lacks one of them."""
+        start = time.perf_counter()
         missing: list[str] = []
 
         def load(compiler: str, name: str, artifact: str) -> CompiledPiece | None:
-            piece = load_piece(compiler, split.submodule(name), self.cache, artifact)
+            piece = load_piece(compiler, split.submodule(name), self.cache, artifact, self.device)
             if piece is None:
                 missing.append(artifact)
             return piece
 
-        if not self._set_pieces(split, forward.signatures, load):
+        if not self._set_pieces(split, signatures, load):
             logger.info("compile cache: no usable artifact %s; tracing again", missing[0])
             self.pieces_info, self.signatures = [], []
             return False
@@ -411,6 +458,9 @@ class PiecewiseBackend:
             "artifact",
             metadata_fn=lambda: {"name": "srt_computation_graph", "encoding": "string"},
             payload_fn=lambda: text,
+            # Outside a compile there is no trace id; expecting one, torch would record the
+            # caller's stack, which imports Dynamo (seconds) on a warm start that needs none.
+            expect_trace_id=False,
         )
 
     def _pieces(
@@ -440,7 +490,7 @@ class PiecewiseBackend:
                 continue
             first_with[sig] = i
             # The token range shapes codegen, so it is part of the name.
-            tag = self.passes_tag if compiler == "inductor" else ""
+            tag = self.passes_tag if compiler in INDUCTOR_COMPILERS else ""
             piece = build(compiler, name, f"{compiler}-{sig}-t{self.max_tokens}{tag}")
             if piece is None:
                 return None

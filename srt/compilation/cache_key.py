@@ -32,7 +32,14 @@ SRT_ROOT = Path(__file__).resolve().parent.parent
 # tool paths only say where things are (and Inductor sets TRITON_PTXAS_PATH and
 # TRITON_LIBDEVICE_PATH itself while compiling for CUDA, which would change the key mid-process);
 # the compiler factor already pins the versions, so neither is part of the key.
-ENV_PREFIXES = ("TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_")
+ENV_PREFIXES = (
+    "TORCHDYNAMO_",
+    "TORCHINDUCTOR_",
+    "TORCH_COMPILE_",
+    "TRITON_",
+    "AOT_INDUCTOR_",
+    "AOTINDUCTOR_",
+)
 ENV_LOCATION_SUFFIXES = ("CACHE_DIR", "_PATH")
 
 
@@ -109,6 +116,19 @@ def inductor_factor(device: torch.device) -> dict[str, Any]:
     return factor
 
 
+def aot_inductor_factor(device: torch.device) -> dict[str, Any]:
+    """What changes an AOTInductor package, without importing Inductor (1.2-2.1 s on a 2-core
+    CPU: a warm start of packages never needs it). A package holds all it runs, so Inductor's
+    settings in the loading process cannot make it wrong; what built it is pinned by the
+    torch version and the environment factor (the variables Inductor's settings read), and
+    on the CPU by the thread count its kernels are specialised for (Inductor's default, the
+    process's thread count, unless TORCHINDUCTOR_CPP_THREADS says otherwise)."""
+    factor: dict[str, Any] = {"packages": "aot_inductor"}
+    if device.type == "cpu":
+        factor["threads"] = torch.get_num_threads()
+    return factor
+
+
 def cuda_driver_version() -> int:
     """The CUDA driver's version number, asked of the driver itself (torch 2.11 has no binding
     for it)."""
@@ -141,10 +161,11 @@ def cuda_factor(device: torch.device) -> dict[str, Any]:
 
 
 def compiler_factor(
-    device: torch.device, inductor: bool = True, kernels: dict[str, str] | None = None
+    device: torch.device, inductor: str | None = "inductor", kernels: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """The toolchain. Inductor's settings only where it compiles (`inductor`): reading them
-    imports Inductor and Dynamo, seconds of startup for a setup that only captures.
+    """The toolchain. Inductor's settings only where it compiles (`inductor`: "inductor", its
+    Python output, or "aot_inductor", its packages alone; None): reading them imports Inductor
+    and Dynamo, seconds of startup for a setup that only captures or loads packages.
     `kernels`: other kernel packages the runner calls, by name, and their versions."""
     factor: dict[str, Any] = {
         "torch": torch.__version__,
@@ -154,7 +175,11 @@ def compiler_factor(
         "python": platform.python_version(),
         "device": device.type,
         "cpu": cpu_factor(),  # CUDA graphs can hold CPU kernels too; the host is the host
-        "inductor": inductor_factor(device) if inductor else None,
+        "inductor": {"inductor": inductor_factor, "aot_inductor": aot_inductor_factor}[inductor](
+            device
+        )
+        if inductor
+        else None,
     }
     if device.type == "cuda":
         factor["cuda"] = cuda_factor(device)
@@ -178,13 +203,13 @@ def collect_factors(
     device: torch.device,
     model_file: Path,
     source_roots: Sequence[Path] = (SRT_ROOT,),
-    inductor: bool = True,
+    inductor: str | None = "inductor",
     kernels: dict[str, str] | None = None,
 ) -> CacheFactors:
     """The factors of this process: `config` is the model config plus the graph-relevant
     runtime options; the code factor covers `source_roots` and `model_file`; `inductor`:
-    whether anything cached is Inductor's output; `kernels`: the versions of the other kernel
-    packages the runner calls (the flashinfer attention backend's)."""
+    what of Inductor's output is cached (`compiler_factor`); `kernels`: the versions of the
+    other kernel packages the runner calls (the flashinfer attention backend's)."""
     return CacheFactors(
         environment=environment_factor(),
         config=config,

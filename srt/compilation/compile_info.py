@@ -30,6 +30,8 @@ class CompileInfo:
     num_unique_pieces: int
     compilers: tuple[str, ...]
     graph_source: str | None  # "traced", or "loaded" from the cache; None: nothing compiled
+    # True: the split graph runs without Dynamo (`bound_forward`); False: Dynamo's code runs it
+    bound: bool | None
     dynamo_s: float  # the Dynamo trace (0 when loaded)
     graph_load_s: float  # loading the saved trace
     compile_s: float  # the split, and compiling or loading the pieces
@@ -55,6 +57,7 @@ class CompileInfo:
             num_unique_pieces=0,
             compilers=(),
             graph_source=None,
+            bound=None,
             dynamo_s=0.0,
             graph_load_s=0.0,
             compile_s=0.0,

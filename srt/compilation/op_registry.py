@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 LIBRARY = "srt"
 _custom_ops: dict[str, torch.library.CustomOpDef] = {}
 _split_ops: set[str] = set()
+_registered: dict[str, RegisteredOp] = {}
 
 
 class RegisteredOp:
@@ -43,6 +44,12 @@ class RegisteredOp:
         self.fn = fn
         self._qualname = op._qualname
         self.__doc__ = fn.__doc__
+        # Named as the function is, so that FX can put it in a graph's code.
+        self.__name__, self.__qualname__, self.__module__ = (
+            fn.__name__,
+            fn.__qualname__,
+            fn.__module__,
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if (
@@ -84,7 +91,8 @@ def register_custom_op(
         if reference is not None:
             op.register_kernel("cpu", reference)
         _custom_ops[qualname] = op
-        return RegisteredOp(op, fn)
+        _registered[qualname] = RegisteredOp(op, fn)
+        return _registered[qualname]
 
     return decorator
 
@@ -115,6 +123,15 @@ def op_qualname(target: object) -> str | None:
     packet `torch.ops.srt.attention`); None for anything that is not a torch op."""
     schema = getattr(target, "_schema", None)
     return schema.name if schema is not None else getattr(target, "_qualified_op_name", None)
+
+
+def as_the_model_calls_it(target: object) -> RegisteredOp | None:
+    """The `RegisteredOp` behind an FX node target `torch.ops.srt.<name>.default`, which a
+    graph run outside a compile calls as the model would (no Dynamo import); None for any
+    other target."""
+    qualname = op_qualname(target)
+    op = _registered.get(qualname) if qualname is not None else None
+    return op if op is not None and target is op.op._opoverload else None
 
 
 def is_split_op(target: object) -> bool:

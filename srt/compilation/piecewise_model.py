@@ -23,7 +23,9 @@ Warm start: the capture (Dynamo's code for the forward, its guards, the split gr
 and the piece signatures) is an artifact of the compile cache, checked as every artifact is
 (bound to the entry, sha256); loading it and then each piece's artifact replaces the trace.
 A damaged or stale one is logged, removed and traced again, as is a saved graph whose pieces
-the cache lacks.
+the cache lacks. Where every piece loads without the compiler (`eager`, `aot_inductor`), the
+capture is saved without Dynamo instead (`bound_forward`: the split graph, its inputs bound by
+name), and a warm start imports neither Dynamo nor Inductor.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ import torch
 from torch import nn
 
 from srt.compilation.backend import MIN_TOKENS, PiecewiseBackend, recording_token_decisions
+from srt.compilation.bound_forward import BoundForward, UnboundInput, bind_inputs
 from srt.compilation.cache import CompileCache
 from srt.compilation.compile_info import CompileInfo
 from srt.compilation.dispatch import BucketDispatcher, PieceFn, Router
 from srt.compilation.errors import CompilationError, GraphBreakError, ShapeSpecializationError
 from srt.compilation.op_registry import inductor_trace, split_ops
-from srt.compilation.piece_compiler import require_cpp_compiler
+from srt.compilation.piece_compiler import INDUCTOR_COMPILERS, require_cpp_compiler
 
 if TYPE_CHECKING:  # imports Dynamo, which only tracing or loading needs
     from torch._dynamo.aot_compile import AOTCompiledFunction
@@ -91,7 +94,14 @@ class PiecewiseModel:
         self.partition = partition
         self.router = Router()
         self.backend = PiecewiseBackend(
-            self.compilers, cache, self.router, max_tokens, type(model).__name__, partition, passes
+            self.compilers,
+            cache,
+            self.router,
+            max_tokens,
+            type(model).__name__,
+            partition,
+            passes,
+            device=next(model.parameters()).device,
         )
         # The saved capture serves every trace with these compilers, this mode, these passes
         # and this token range.
@@ -99,7 +109,9 @@ class PiecewiseModel:
         self.capture_name = (
             f"graph-{'-'.join(self.compilers)}{mode}-t{max_tokens}{self.backend.passes_tag}"
         )
-        self.forward: AOTCompiledFunction | None = None
+        # Where every compiler loads without Dynamo, the capture saved without it.
+        self.bound_name = f"bound-{self.capture_name}"
+        self.forward: AOTCompiledFunction | BoundForward | None = None
         self.graph_source: str | None = None  # "traced" or "loaded" (from the cache)
         self.dynamo_s = 0.0
         self.graph_load_s = 0.0
@@ -116,22 +128,23 @@ class PiecewiseModel:
             raise CompilationError("the model is already traced; it is traced once")
         if "inductor" in self.compilers and input_ids.device.type == "cpu":
             require_cpp_compiler()  # before anything loads: a clear error, not one mid-load
-        inductor = self.cache.inductor_session() if "inductor" in self.compilers else nullcontext()
+        # Inductor's loads read its cache directory, so they run in the entry's session;
+        # AOTInductor's packages hold all they need, so only their compiles do.
+        loads_in_session = "inductor" in self.compilers
+        compiles = any(c in INDUCTOR_COMPILERS for c in self.compilers)
         start = time.perf_counter()
-        with torch.inference_mode(), inductor:
-            before = time.perf_counter()
-            forward = self._load()
-            loaded = time.perf_counter()
-            self.graph_load_s = loaded - before
-            if forward is not None:
-                self.graph_source = "loaded"
-                self.graph_load_s -= self.backend.compile_s  # the pieces' share
-            else:
-                forward = self._trace(input_ids, positions)
-                self.dynamo_s = time.perf_counter() - loaded - self.backend.compile_s
-                self.graph_source = "traced"
-                self._save(forward)
-        if not self.keep_shape_guards:
+        with torch.inference_mode():
+            forward = None if loads_in_session else self._timed_load()
+            if forward is None:
+                with self.cache.inductor_session() if compiles else nullcontext():
+                    if compiles:  # (again, in the entry's lock: another process may have
+                        forward = self._timed_load()  # compiled it while this one waited)
+                    if forward is None:
+                        forward = self._trace_and_save(input_ids, positions)
+        if self.graph_source is None:
+            self.graph_source = "loaded"
+            self.graph_load_s -= self.backend.compile_s  # the pieces' share
+        if not isinstance(forward, BoundForward) and not self.keep_shape_guards:
             forward.disable_guard_check()  # no guards to check
         self.forward = forward
         self.total_s = time.perf_counter() - start
@@ -143,16 +156,61 @@ class PiecewiseModel:
             else "",
         )
         logger.info(
-            "torch.compile took %.2f s in total (pieces %.2f s; compile cache %s, %s)",
+            "torch.compile took %.2f s in total (pieces %.2f s; compile cache %s, %s; %s)",
             self.total_s,
             self.backend.compile_s,
             self.cache.dir,
             {True: "hit", False: "miss", None: "not used"}[self.backend.cache_hit],
+            "the split graph runs without Dynamo"
+            if isinstance(forward, BoundForward)
+            else "Dynamo's code runs the split graph",
         )
 
-    def _load(self) -> AOTCompiledFunction | None:
+    def _timed_load(self) -> AOTCompiledFunction | BoundForward | None:
+        before = time.perf_counter()
+        forward = self._load()
+        self.graph_load_s += time.perf_counter() - before
+        return forward
+
+    def _trace_and_save(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> AOTCompiledFunction | BoundForward:
+        """Trace and compile; save the capture: without Dynamo where its inputs bind
+        (`bound_forward`), else Dynamo's."""
+        traced_at = time.perf_counter()
+        forward = self._trace(input_ids, positions)
+        self.dynamo_s = time.perf_counter() - traced_at - self.backend.compile_s
+        self.graph_source = "traced"
+        bound = self._bound() if self.backend.dynamo_free and not self.keep_shape_guards else None
+        if bound is None:
+            self._save(self.capture_name, lambda path: forward.save_compiled_function(str(path)))
+            return forward
+        self._save(self.bound_name, bound.save)
+        return bound
+
+    def _bound(self) -> BoundForward | None:
+        """The traced forward as a `BoundForward`, or None (logged) where an input of the
+        graph does not bind."""
+        compiled, split = self.backend.compiled, self.backend.split
+        assert compiled is not None and split is not None, "the piecewise mode traced"
+        try:
+            if not self.backend.single_output:
+                raise UnboundInput("the graph returns more than one value")
+            slots = bind_inputs(self.model, self.backend.graph_inputs)
+        except UnboundInput as e:
+            logger.info("the split graph keeps Dynamo's code at every start: %s", e)
+            return None
+        return BoundForward(split, compiled.signatures, slots, compiled.saved)
+
+    def _load(self) -> AOTCompiledFunction | BoundForward | None:
         """The saved capture with its pieces loaded, or None (nothing saved, or a piece
-        missing from the cache: then it traces again)."""
+        missing from the cache: then it traces again); without Dynamo where it can."""
+        if self.backend.dynamo_free and not self.keep_shape_guards:
+            bound = self.cache.load_artifact(self.bound_name, BoundForward.load)
+            if bound is not None:
+                return bound if self.backend.restore_pieces(bound.split, bound.signatures) else None
+        if not self.cache.artifact_path(self.capture_name).exists():
+            return None  # (Dynamo is imported only to load a capture there is)
         saved = self.cache.load_artifact(self.capture_name, _load_capture)
         if saved is None:
             return None
@@ -202,11 +260,9 @@ class PiecewiseModel:
         assert isinstance(forward, AOTCompiledFunction)
         return forward
 
-    def _save(self, forward: AOTCompiledFunction) -> None:
+    def _save(self, name: str, save: Callable[[Path], object]) -> None:
         try:
-            self.cache.save_artifact(
-                self.capture_name, lambda path: forward.save_compiled_function(str(path))
-            )
+            self.cache.save_artifact(name, save)
         except Exception as e:  # the server runs without it; only the next start traces
             logger.warning(
                 "compile cache: cannot save the traced graph (%s: %s); a restart traces again",
@@ -242,6 +298,7 @@ class PiecewiseModel:
             num_unique_pieces=len(set(self.backend.signatures)),
             compilers=tuple(self.compilers),
             graph_source=self.graph_source,
+            bound=isinstance(self.forward, BoundForward) if self.forward is not None else None,
             dynamo_s=round(self.dynamo_s, 3),
             graph_load_s=round(self.graph_load_s, 3),
             compile_s=round(self.backend.compile_s, 3),

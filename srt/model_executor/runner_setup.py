@@ -15,6 +15,7 @@ from torch import nn
 from srt.compilation.cache import CompileCache
 from srt.compilation.cache_key import CacheFactors, collect_factors
 from srt.compilation.cache_root import CacheRoot
+from srt.compilation.piece_compiler import INDUCTOR_COMPILERS
 from srt.distributed import min_over_ranks
 from srt.errors import ServerArgsError
 from srt.layers.custom_op import apply_custom_ops, custom_ops_info, describe_custom_ops
@@ -178,11 +179,11 @@ def compile_cache_factors(
     configs: dict[Phase, PhaseConfig],
     custom_ops: dict[str, OpImpl],
     tp: TPRank,
-    inductor: bool,
+    inductor: str | None,
     kernels: dict[str, str] | None = None,
 ) -> CacheFactors:
-    """The compile cache factors of this setup (`inductor`: whether anything cached is
-    Inductor's output). The config factor is derived from what the
+    """The compile cache factors of this setup (`inductor`: what of Inductor's output is
+    cached, `compiler_factor`). The config factor is derived from what the
     graph is built from, whole: the model config (every field: the context length sizes the
     rotary tables the pieces close over, the dtype every tensor), every option but those
     `NOT_IN_COMPILE_KEY` says cannot reach a graph, and what this process resolved them to."""
@@ -208,6 +209,15 @@ def compile_cache_factors(
         inductor=inductor,
         kernels=kernels,
     )
+
+
+def inductor_output(args: ServerArgs, configs: dict[Phase, PhaseConfig]) -> str | None:
+    """What of Inductor's output this setup caches: "inductor" (its Python output: torch.compile
+    or an `inductor` phase), "aot_inductor" (only AOTInductor's packages), or None."""
+    compilers = {c.tc_compiler for c in configs.values()} & set(INDUCTOR_COMPILERS)
+    if args.enable_torch_compile or "inductor" in compilers:
+        return "inductor"
+    return "aot_inductor" if compilers else None
 
 
 def open_compile_cache(
@@ -236,8 +246,7 @@ def open_compile_cache(
         configs,
         custom_ops,
         tp,
-        inductor=args.enable_torch_compile
-        or any(c.tc_compiler == "inductor" for c in configs.values()),
+        inductor=inductor_output(args, configs),
         kernels=attention_kernels,
     )
     return CompileCache(root, factors)

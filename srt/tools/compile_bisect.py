@@ -677,7 +677,7 @@ def _cache(root: Path, runner: ModelRunner) -> CompileCache:
         runner.graph_configs,
         runner.custom_ops,
         runner.tp,
-        inductor=True,
+        inductor="inductor",
     )
     return CompileCache(root, replace(factors, config={**factors.config, "tool": "compile_bisect"}))
 
