@@ -121,8 +121,8 @@ def aot_inductor_factor(device: torch.device) -> dict[str, Any]:
     CPU: a warm start of packages never needs it). A package holds all it runs, so Inductor's
     settings in the loading process cannot make it wrong; what built it is pinned by the
     torch version and the environment factor (the variables Inductor's settings read), and
-    on the CPU by the thread count its kernels are specialised for (Inductor's default, the
-    process's thread count, unless TORCHINDUCTOR_CPP_THREADS says otherwise)."""
+    on the CPU by the thread count its kernels are specialised for (Inductor's default,
+    `cpp.threads` unset: the process's thread count)."""
     factor: dict[str, Any] = {"packages": "aot_inductor"}
     if device.type == "cpu":
         factor["threads"] = torch.get_num_threads()

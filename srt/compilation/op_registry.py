@@ -24,7 +24,6 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 LIBRARY = "srt"
-_custom_ops: dict[str, torch.library.CustomOpDef] = {}
 _split_ops: set[str] = set()
 _registered: dict[str, RegisteredOp] = {}
 
@@ -90,7 +89,6 @@ def register_custom_op(
         op.register_fake(fake)
         if reference is not None:
             op.register_kernel("cpu", reference)
-        _custom_ops[qualname] = op
         _registered[qualname] = RegisteredOp(op, fn)
         return _registered[qualname]
 
@@ -110,7 +108,7 @@ def register_split_op(op: RegisteredOp) -> RegisteredOp:
 
 def custom_ops() -> dict[str, torch.library.CustomOpDef]:
     """Every op made with `register_custom_op`, by qualified name."""
-    return dict(_custom_ops)
+    return {qualname: registered.op for qualname, registered in _registered.items()}
 
 
 def split_ops() -> list[str]:
