@@ -30,6 +30,7 @@ from srt.ipc.messages import BatchPlan
 from srt.layers.attention.base import AttentionInputs
 from srt.layers.attention.registry import create_attention_backend
 from srt.layers.attention.torch_native import TorchNativeBackend, attend
+from srt.layers.rotary_embedding import Rope, RotaryEmbedding, rotary
 from srt.model_config import ModelConfig
 from srt.model_executor.graphs.static_batch import real_requests
 from srt.model_executor.step_inputs import upload_step
@@ -469,6 +470,42 @@ def test_flashinfer_eager_steps_planned_ahead_run_on_their_own_plans() -> None:
         out = torch.full_like(q, 7.0)
         backend.forward(batch, AttentionInputs(q, k, v, out, world.k_cache, world.v_cache, scale))
         assert_matches(world, expected, out, batch.num_tokens)
+
+
+BF16 = {"atol": 2e-2, "rtol": 2e-2}
+ROPE_BACKENDS = [
+    pytest.param("torch_native", "cpu"),
+    pytest.param("torch_native", "cuda", marks=pytest.mark.gpu),
+    pytest.param("triton", "cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize(("backend_name", "device"), ROPE_BACKENDS)
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+def test_rope_with_the_kv_write_attends_with_the_rotated_q_and_k(
+    backend_name: str, device: str, mode: ForwardMode
+) -> None:
+    """q and k handed over unrotated, with the rotation (`Rope`: the rotary kernel fused with
+    the KV write on CUDA): the output and the caches those of q and k rotated by the rotary
+    reference first, within bf16 tolerance, and the padded tail zeroed."""
+    num_heads, num_kv_heads, head_dim = 16, 4, 64
+    world = World.create(num_kv_heads, head_dim, torch.bfloat16, device)
+    specs = EXTEND_SPECS if mode == ForwardMode.EXTEND else DECODE_SPECS
+    batch, q, k, v = make_batch(world, mode, specs, num_heads, sum(e for _, e in specs) + 3)
+    rotary_layer = RotaryEmbedding(head_dim, 4096, 500000.0, None).to(device)
+    rope = Rope(batch.positions, rotary_layer.cos_cache, rotary_layer.sin_cache)
+    q_rot, k_rot = rotary(rope.positions, q, k, rope.cos_cache, rope.sin_cache)
+    expected = reference(world, batch, q_rot, k_rot, v)
+    backend = create_attention_backend(backend_name, num_heads, num_kv_heads, head_dim)
+    backend.init_forward_metadata(batch)
+    out = torch.full_like(q, 7.0)
+    x = AttentionInputs(q, k, v, out, world.k_cache, world.v_cache, head_dim**-0.5, rope)
+    backend.forward(batch, x)
+    ref_out, ref_k, ref_v = expected
+    torch.testing.assert_close(out[: batch.num_tokens], ref_out[: batch.num_tokens], **BF16)
+    assert torch.count_nonzero(out[batch.num_tokens :]) == 0, "padded tail not zeroed"
+    torch.testing.assert_close(world.k_cache[1:], ref_k[1:], **BF16)
+    assert torch.equal(world.v_cache[1:], ref_v[1:])
 
 
 # ---- CPU ----

@@ -25,7 +25,9 @@ from layer_op_cases import (
     INTERPRETED,
     KERNEL_DEVICES,
     LLAMA3_SCALING,
+    SKINNY_OPS,
     op_cases,
+    skinny_case_config,
     skinny_cases_table,
     skinny_entries,
     skinny_table_for,
@@ -40,6 +42,7 @@ from srt.layers.custom_op import apply_custom_ops
 from srt.layers.layernorm import RMSNorm, fused_add_rms_norm_kernel, rms_norm_kernel
 from srt.layers.linear import (
     Linear,
+    add_rms_norm_skinny_matmul_kernel,
     skinny_config,
     skinny_matmul_kernel,
     skinny_matmul_silu_and_mul_kernel,
@@ -232,9 +235,16 @@ def test_tc_piecewise_traces_the_selected_impl(
         info = eng.get_server_info()
         graph = (Path(info["compile"]["cache_dir"]) / "computation_graph.py").read_text()
         traced = set(re.findall(r"torch\.ops\.srt\.(\w+)\.default", graph))
-        # With the skinny kernel selected, the MLP's SiLU-and-mul is fused into its product.
+        # With the skinny kernel selected, the MLP's SiLU-and-mul is fused into its product,
+        # and the norms before qkv and gate/up into theirs.
         if "skinny_matmul_silu_and_mul" in traced:
             traced |= {"skinny_matmul", "silu_and_mul"}
+        if "add_rms_norm_skinny_matmul" in traced:
+            traced |= {"skinny_matmul", "silu_and_mul", "rms_norm", "fused_add_rms_norm"}
+        # The rotary kernel runs inside the attention op, with the KV write, where the graph
+        # hands the op the rotary tables.
+        if re.search(r"srt\.attention\.default\([^)]*cos_cache", graph):
+            traced.add("rotary_embedding")
         for op in OPS:
             assert (op in traced) == kernels_traced, op
         assert greedy_ids(eng) == reference
@@ -282,10 +292,17 @@ def poisoned_run(op: Callable, args: tuple) -> list[torch.Tensor]:
     from srt.layers.triton_ops.rms_norm import rms_norm_into
     from srt.layers.triton_ops.rotary import rotary_into
     from srt.layers.triton_ops.silu_and_mul import silu_and_mul_into
-    from srt.layers.triton_ops.skinny_matmul import skinny_matmul_into
+    from srt.layers.triton_ops.skinny_matmul import NormPrologue, skinny_matmul_into
 
     outs = [torch.full_like(t, float("nan")) for t in _leaves(op(*args))]
-    if op in (skinny_matmul_kernel, skinny_matmul_silu_and_mul_kernel):
+    if op is add_rms_norm_skinny_matmul_kernel:
+        x, residual, norm_weight, eps, weight, bias, gated = args[:7]
+        config = skinny_config(x, weight, gated)
+        if config is None:  # the norm's kernel, then cuBLAS: nothing of ours to poison
+            return _leaves(op(*args))
+        norm = NormPrologue(norm_weight, eps, residual, outs[1])
+        skinny_matmul_into(outs[0], x, weight, bias, config, gated, norm=norm)
+    elif op in (skinny_matmul_kernel, skinny_matmul_silu_and_mul_kernel):
         x, weight, third = args
         gated = op is skinny_matmul_silu_and_mul_kernel
         config = skinny_config(x, weight, gated)
@@ -309,21 +326,30 @@ def poisoned_run(op: Callable, args: tuple) -> list[torch.Tensor]:
 def test_kernels_match_the_reference(device: str, dtype: torch.dtype) -> None:
     cases = op_cases(dtype, device)
     with skinny_cases_table(device):
-        ran = [
-            skinny_config(args[0], args[1], op is skinny_matmul_silu_and_mul_kernel)
-            for op, _, args in cases
-            if op in (skinny_matmul_kernel, skinny_matmul_silu_and_mul_kernel)
-        ]
-        assert sum(c is not None for c in ran) == 5, ran  # all but the 20 rows ran the kernel
+        ran = [skinny_case_config(op, args) for op, _, args in cases if op in SKINNY_OPS]
+        assert sum(c is not None for c in ran) == 10, ran  # all but the 20 rows ran the kernel
         _check_cases(cases, dtype)
+
+
+# Triton's interpreter rounds every float32 -> bfloat16 cast toward zero (the GPU to the
+# nearest): a result whose intermediates are rounded to bf16 (the fused norm's residual sum and
+# the gated form's gate, up and activation, values up to ~10) may be off by one of their ulps.
+INTERPRETED_BF16 = {"rtol": 2e-2, "atol": 7e-2}
 
 
 def _check_cases(cases: list, dtype: torch.dtype) -> None:
     for op, reference, args in cases:
-        for out, expected in zip(poisoned_run(op, args), _leaves(reference(*args)), strict=True):
-            torch.testing.assert_close(
-                out, expected, **tolerance(dtype), msg=lambda m, op=op: f"{op}: {m}"
-            )
+        expected_all = _leaves(reference(*args))
+        outs = poisoned_run(op, args)
+        tol = tolerance(dtype)
+        fused_norm = op is add_rms_norm_skinny_matmul_kernel
+        if fused_norm and dtype == torch.bfloat16 and outs[0].device.type == "cpu":
+            tol = INTERPRETED_BF16
+        for out, expected in zip(outs, expected_all, strict=True):
+            torch.testing.assert_close(out, expected, **tol, msg=lambda m, op=op: f"{op}: {m}")
+        if fused_norm and outs[1].device.type == "cuda":
+            # The residual stream is the unfused path's, bit for bit.
+            assert torch.equal(outs[1], expected_all[1]), "the summed rows differ"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -350,6 +376,38 @@ def test_kv_write_kernel_matches_indexed_assignment(device: str, dtype: torch.dt
         # that element of one of them.
         assert torch.equal(got[1:].nan_to_num(7.0), expected[1:].nan_to_num(7.0))
         assert (got[0][None] == src[4:]).any(dim=0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_rotary_kv_write_kernel_gives_the_rotary_kernel_and_the_kv_write(
+    device: str, dtype: torch.dtype
+) -> None:
+    """The rotary embedding fused with the KV write: q and k (views of the packed qkv, an odd
+    head count) rotated as the rotary kernel rotates them, bit for bit, and the rotated k and
+    v written where `write_kv` writes them; the reference rotation within bf16 tolerance."""
+    from srt.layers.attention.triton_ops.kv_write import rotary_write_kv, write_kv
+    from srt.layers.rotary_embedding import rotary
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, q_heads, kv_heads, head_dim, slots = 6, 6, 3, 24, 40
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    rope = RotaryEmbedding(head_dim, 300, 500000.0, LLAMA3_SCALING).to(device)
+    positions = torch.tensor([0, 299, 3, 31, 32, 100], device=device)
+    loc = torch.tensor([5, 39, 1, 12, 7, 30], dtype=torch.int32, device=device)
+    poison = torch.full((slots, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    fused = [poison.clone(), poison.clone()]
+    q_rot, k_rot = rotary_write_kv(*fused, loc, positions, q, k, v, rope.cos_cache, rope.sin_cache)
+    want_q, want_k = rotary_kernel(positions, q, k, rope.cos_cache, rope.sin_cache)
+    unfused = [poison.clone(), poison.clone()]
+    write_kv(*unfused, loc, want_k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, -1))
+    assert torch.equal(q_rot, want_q) and torch.equal(k_rot, want_k)
+    for got, expected in zip(fused, unfused, strict=True):
+        assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
+    ref_q, ref_k = rotary(positions, q, k, rope.cos_cache, rope.sin_cache)
+    torch.testing.assert_close(q_rot, ref_q, **tolerance(dtype))
+    torch.testing.assert_close(k_rot, ref_k, **tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -398,16 +456,16 @@ def model_products(path: Path) -> list[tuple[int, int, bool]]:
 
 def greedy_ids_under_a_skinny_table(
     path: Path, device: str, entries: list[str], **options: Any
-) -> tuple[list[list[int]], list[tuple[int, int]]]:
+) -> tuple[list[list[int]], list[tuple[int, int, bool]]]:
     """Greedy ids of the model with `--custom-ops entries`, the skinny matmul kernel chosen for
     every product of up to 8 rows (a table that says so), and the kernel's launches as (rows,
-    pdl)."""
+    pdl, whether a norm was its prologue)."""
     name = torch.cuda.get_device_name() if device == "cuda" else device
-    launches: list[tuple[int, int]] = []
+    launches: list[tuple[int, int, bool]] = []
     import srt.layers.triton_ops.skinny_matmul as skinny
 
     def counted(*args: Any, **kwargs: Any) -> None:
-        launches.append((args[1].shape[0], kwargs.get("pdl", 0)))
+        launches.append((args[1].shape[0], kwargs.get("pdl", 0), kwargs.get("norm") is not None))
         original(*args, **kwargs)
 
     original = skinny.skinny_matmul_into
@@ -434,6 +492,8 @@ def greedy_ids_kernels_on_and_off(path: Path, device: str, **options: Any) -> di
             path, device, entries, **options
         )
         assert bool(launches) == (entries == ["all"]), launches
+        # With every kernel on, the norms before qkv and gate/up run in their products.
+        assert any(norm for _, _, norm in launches) == (entries == ["all"]), launches
     return ids
 
 
@@ -503,7 +563,7 @@ def test_the_skinny_kernel_launched_as_a_dependent_gives_the_plain_launches_ids(
         ids[mode], launches = greedy_ids_under_a_skinny_table(
             path, "cuda", ["all"], skinny_matmul_launch=mode, compile_cache_dir=str(tmp_path)
         )
-        assert launches and {pdl for _, pdl in launches} == {SKINNY_LAUNCHES[mode]}, launches
+        assert launches and {pdl for _, pdl, _ in launches} == {SKINNY_LAUNCHES[mode]}, launches
     assert ids[launch] == ids["plain"]
 
 

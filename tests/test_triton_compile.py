@@ -97,7 +97,7 @@ def exercise_kernels() -> None:
     from srt.layers.attention.base import AttentionInputs
     from srt.layers.attention.triton_backend import TritonBackend
     from srt.layers.attention.triton_ops.kv_indices import kv_indices
-    from srt.layers.attention.triton_ops.kv_write import write_kv
+    from srt.layers.attention.triton_ops.kv_write import rotary_write_kv, write_kv
     from srt.layers.triton_ops.argmax import argmax_rows
     from tests.layer_op_cases import op_cases, skinny_cases_table
     from tests.test_attention_backends import World, make_batch
@@ -109,6 +109,11 @@ def exercise_kernels() -> None:
     argmax_rows(torch.randn(3, 5000))
     cache = torch.zeros(10, 2, 24, dtype=torch.float16)
     write_kv(cache, cache.clone(), torch.tensor([3, 5]), *torch.randn(2, 2, 2, 24).half())
+    q, k, v = torch.randn(2, 6 * 24).half(), torch.randn(2, 2 * 24).half(), torch.randn(2, 48)
+    tables = torch.randn(2, 32, 12)
+    rotary_write_kv(
+        cache, cache.clone(), torch.tensor([3, 5]), torch.tensor([0, 7]), q, k, v.half(), *tables
+    )
     # FlashInfer's pages: a table of int32 slots, rows and offsets int32 (as the backend has them).
     table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
     indptr = torch.tensor([0, 3, 10], dtype=torch.int32)
@@ -219,11 +224,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from srt.layers.triton_ops.skinny_matmul import _skinny_matmul_kernel as kernel
-pointers = {name: "*bf16" for name in ("X", "W", "BIAS", "OUT")}
-scalars = {name: "i32" for name in ("M", "N", "stride_xm", "stride_wn", "stride_om", "up_offset")}
+pointers = {name: "*bf16" for name in ("X", "W", "BIAS", "OUT", "RES", "NORM_W", "RES_OUT")}
+scalars = {name: "i32" for name in ("M", "N", "stride_xm", "stride_wn", "stride_om", "stride_rm",
+                                    "stride_rom", "up_offset")} | {"eps": "fp32"}
 for pdl in (0, 1, 2):
     for rows, gated in ((1, True), (16, False)):
-        consts = dict(K=2048, HAS_BIAS=False, GATED=gated, EVEN_K=True, BLOCK_M=rows,
+        consts = dict(K=2048, HAS_BIAS=False, GATED=gated, NORM=False, HAS_RESIDUAL=False,
+                      EVEN_K=True, BLOCK_M=rows,
                       BLOCK_N=4 if rows == 1 else 32, BLOCK_K=1024 if rows == 1 else 256,
                       PRECISION="tf32", UPCAST_DOT=False, PDL=pdl > 0, PREFETCH_L2=pdl > 1,
                       PREFETCH_K=2048 if rows == 1 else 512)

@@ -10,7 +10,7 @@ reference.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -25,6 +25,15 @@ from srt.layers.custom_op import CustomOp
 
 if TYPE_CHECKING:
     from torch._inductor.pattern_matcher import PatternMatcherPass
+
+
+class Rope(NamedTuple):
+    """A rotation that q and k still need, for the attention op to run with its KV write
+    (`AttentionBackend.write_kv`: one launch for both on CUDA)."""
+
+    positions: torch.Tensor  # [T]
+    cos_cache: torch.Tensor  # [max_position, D / 2] float32
+    sin_cache: torch.Tensor
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -118,6 +127,13 @@ class RotaryEmbedding(CustomOp):
         )
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def rope_for_attention(self, positions: torch.Tensor) -> Rope | None:
+        """The rotation for the attention op to run with its KV write (one launch for both),
+        where this layer runs the kernel; None where q and k are rotated here (`forward`)."""
+        if self.uses_kernel("rotary_embedding"):
+            return Rope(positions, self.cos_cache, self.sin_cache)
+        return None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -9,6 +9,7 @@ import torch
 
 from srt.batch_layout import ForwardMode
 from srt.forward_batch import ForwardBatch
+from srt.layers.rotary_embedding import Rope, rotary
 from srt.op_selection import HAS_TRITON
 
 
@@ -22,6 +23,7 @@ class AttentionInputs(NamedTuple):
     k_cache: torch.Tensor  # [slots, Hkv, D], this layer's
     v_cache: torch.Tensor
     scaling: float
+    rope: Rope | None = None  # q and k not rotated yet: `write_kv` rotates them
 
 
 class AttentionBackend(ABC):
@@ -61,20 +63,42 @@ class AttentionBackend(ABC):
         versions are part of the compile cache key."""
         return {}
 
-    def write_kv(self, loc: torch.Tensor, x: AttentionInputs) -> None:
+    def write_kv(self, loc: torch.Tensor, x: AttentionInputs) -> AttentionInputs:
         """The one place a step's new K and V go into the cache, at the slots `loc` (`[T]`):
         one Triton launch for both on CUDA (where the backend allows it), indexed assignment
-        otherwise."""
+        otherwise. Where `x.rope` is set, q and k are rotated first, in the same launch on
+        CUDA (the rotary reference otherwise). Returns the inputs to attend with (q and k
+        rotated, no rope left)."""
         t = loc.shape[0]
+        kernel = self.kv_write_kernel and x.k.is_cuda and HAS_TRITON
+        if x.rope is not None and kernel:
+            from srt.layers.attention.triton_ops.kv_write import rotary_write_kv
+
+            q, k = rotary_write_kv(
+                x.k_cache,
+                x.v_cache,
+                loc,
+                x.rope.positions,
+                x.q,
+                x.k,
+                x.v,
+                x.rope.cos_cache,
+                x.rope.sin_cache,
+            )
+            return x._replace(q=q, k=k, rope=None)
+        if x.rope is not None:
+            q, k = rotary(x.rope.positions, x.q, x.k, x.rope.cos_cache, x.rope.sin_cache)
+            x = x._replace(q=q, k=k, rope=None)
         k = x.k.view(t, self.num_kv_heads, self.head_dim)
         v = x.v.view(t, self.num_kv_heads, self.head_dim)
-        if self.kv_write_kernel and k.is_cuda and HAS_TRITON:
+        if kernel:
             from srt.layers.attention.triton_ops.kv_write import write_kv
 
             write_kv(x.k_cache, x.v_cache, loc, k, v)
         else:
             x.k_cache[loc] = k
             x.v_cache[loc] = v
+        return x
 
     def heads(self, x: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """`q` and `out` as [T, Hq, D]."""

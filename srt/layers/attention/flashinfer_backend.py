@@ -457,7 +457,7 @@ class FlashInferBackend(AttentionBackend):
                 )
             self.precision = precision
             self._plan(step, precision)
-        self.write_kv(step.out_cache_loc, x)
+        x = self.write_kv(step.out_cache_loc, x)
         q, o = self.heads(x)
         n = step.rows
         wrapper = step.wrapper.wrapper

@@ -5,7 +5,9 @@ The op is opaque to the compiler and is called with tensors only (compiled code 
 nothing else), so what it needs besides them, this step's batch and the attention backend
 that runs it, comes from the forward context: whoever runs a forward (the runner's phase
 forwards and captures, the tools) sets it around the call. It writes the step's K and V into
-the paged cache and the result into `out`.
+the paged cache and the result into `out`; given the positions and the rotary tables, it
+rotates q and k first, in the same launch as the KV write (the layer's rotary kernel fused
+with it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 from srt.compilation.op_registry import register_custom_op, register_split_op
 from srt.forward_batch import ForwardBatch
 from srt.layers.attention.base import AttentionBackend, AttentionInputs
+from srt.layers.rotary_embedding import Rope
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,16 @@ def attention_op(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scaling: float,
+    positions: torch.Tensor | None = None,
+    cos_cache: torch.Tensor | None = None,
+    sin_cache: torch.Tensor | None = None,
 ) -> None:
     ctx = current_forward()
-    ctx.backend.forward(ctx.batch, AttentionInputs(q, k, v, out, k_cache, v_cache, scaling))
+    rope = None
+    if positions is not None and cos_cache is not None and sin_cache is not None:
+        rope = Rope(positions, cos_cache, sin_cache)
+    x = AttentionInputs(q, k, v, out, k_cache, v_cache, scaling, rope)
+    ctx.backend.forward(ctx.batch, x)
 
 
 class Attention(nn.Module):
@@ -88,7 +98,14 @@ class Attention(nn.Module):
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
+    ) -> torch.Tensor:
+        """Attention of q over the cache with k and v written into it; with `rope`, q and k
+        are rotated first, in the backend's KV write."""
         out = torch.empty_like(q)
-        attention_op(q, k, v, out, self.k_cache, self.v_cache, self.scaling)
+        if rope is None:
+            attention_op(q, k, v, out, self.k_cache, self.v_cache, self.scaling)
+        else:
+            attention_op(q, k, v, out, self.k_cache, self.v_cache, self.scaling, *rope)
         return out

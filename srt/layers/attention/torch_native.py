@@ -16,7 +16,7 @@ class TorchNativeBackend(AttentionBackend):
     kv_write_kernel = False  # the reference of every kernel, the KV write's too
 
     def forward(self, batch: ForwardBatch, x: AttentionInputs) -> None:
-        self.write_kv(batch.out_cache_loc, x)
+        x = self.write_kv(batch.out_cache_loc, x)
         q, o = self.heads(x)
         k_cache, v_cache = x.k_cache, x.v_cache
         start = 0

@@ -245,7 +245,7 @@ class TritonBackend(AttentionBackend):
                 "triton attention: the static metadata buffers were refilled for another batch "
                 "since this one's (init_forward_metadata_replay must run for the batch that runs)"
             )
-        self.write_kv(step.out_cache_loc, x)
+        x = self.write_kv(step.out_cache_loc, x)
         q, o = self.heads(x)
         req_rows, seq_lens, prefix_lens, extend_lens, extend_starts = step.fields
         if step.layout.decode:
