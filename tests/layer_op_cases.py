@@ -19,15 +19,9 @@ import torch.nn.functional as F
 import srt.layers.skinny_matmul_table as skinny_table
 from srt.layers.activation import silu_and_mul, silu_and_mul_kernel
 from srt.layers.layernorm import fused_add_rms_norm_kernel, rms_norm, rms_norm_kernel
-from srt.layers.linear import (
-    add_rms_norm_linear,
-    add_rms_norm_skinny_matmul_kernel,
-    skinny_config,
-    skinny_matmul_kernel,
-    skinny_matmul_silu_and_mul_kernel,
-)
+from srt.layers.linear import skinny_matmul_kernel, skinny_matmul_silu_and_mul_kernel
 from srt.layers.rotary_embedding import RotaryEmbedding, rotary_kernel
-from srt.layers.skinny_matmul_table import BUCKETS, SkinnyConfig, shape_key, table_path
+from srt.layers.skinny_matmul_table import BUCKETS, shape_key, table_path
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
@@ -52,19 +46,7 @@ LLAMA3_SCALING = {
 # The skinny matmul cases' products (n weight rows, k inputs, gated) and the tiles a table
 # gives them: a tile per row bucket, odd shapes, K a multiple of BLOCK_K in one and not the other.
 SKINNY_SHAPES = [(70, 200, False), (2 * 48, 256, True)]
-SKINNY_OPS = (
-    skinny_matmul_kernel,
-    skinny_matmul_silu_and_mul_kernel,
-    add_rms_norm_skinny_matmul_kernel,
-)
 SKINNY_TILES = {1: [4, 128, 2, 1], 2: [16, 64, 4, 2], 4: [16, 64, 4, 2], 8: [32, 128, 4, 2]}
-
-
-def skinny_case_config(op: Callable, args: tuple) -> SkinnyConfig | None:
-    """The tile a skinny case of `op_cases` runs the kernel with (None: cuBLAS runs it)."""
-    if op is add_rms_norm_skinny_matmul_kernel:
-        return skinny_config(args[0], args[4], args[6])
-    return skinny_config(args[0], args[1], op is skinny_matmul_silu_and_mul_kernel)
 
 
 def skinny_entries(shapes: list[tuple[int, int, bool]], dtypes: list[str]) -> dict:
@@ -158,38 +140,5 @@ def op_cases(dtype: torch.dtype, device: str) -> list[tuple[Callable, Callable, 
             skinny_matmul_silu_and_mul_kernel,
             lambda x, w, silu_kernel: silu_and_mul(F.linear(x, w)),
             (randn(1, 256), w96, False),
-        ),
-        # The norm in the product's prologue: after a residual add at 5 rows (tensor cores,
-        # K not a multiple of the tile), with a bias on a strided input; alone at 1 row;
-        # gated at 7 rows and at 1; at 20 rows (cuBLAS after the norm's kernel).
-        (
-            add_rms_norm_skinny_matmul_kernel,
-            add_rms_norm_linear,
-            (randn(5, 200), randn(5, 200), randn(200), eps, w70, None, False, False),
-        ),
-        (
-            add_rms_norm_skinny_matmul_kernel,
-            add_rms_norm_linear,
-            (randn(3, 260)[:, 30:230], randn(3, 200), randn(200), eps, w70, randn(70), False),
-        ),
-        (
-            add_rms_norm_skinny_matmul_kernel,
-            add_rms_norm_linear,
-            (randn(1, 200), None, randn(200), eps, w70, None, False),
-        ),
-        (
-            add_rms_norm_skinny_matmul_kernel,
-            add_rms_norm_linear,
-            (randn(7, 256), randn(7, 256), randn(256), eps, w96, None, True, True),
-        ),
-        (
-            add_rms_norm_skinny_matmul_kernel,
-            add_rms_norm_linear,
-            (randn(1, 256), randn(1, 256), randn(256), eps, w96, None, True, False),
-        ),
-        (
-            add_rms_norm_skinny_matmul_kernel,
-            add_rms_norm_linear,
-            (randn(20, 256), randn(20, 256), randn(256), eps, w96, None, True, True),
         ),
     ]

@@ -105,6 +105,19 @@ def test_eager_pieces_warm_start_without_dynamo(
     assert (warm["info"]["graph_source"], warm["info"]["bound"]) == ("loaded", True)
 
 
+def test_the_bound_graph_runs_every_layer_under_first_layer_only(
+    tiny_llama: Path, tmp_path: Path, reference: list[list[int]]
+) -> None:
+    """The compile-ahead block's forwards (`first_layer_only`, before the warm-up on CUDA) call
+    the split graph first: it is bound to the model's weights where it is traced, so it still
+    runs every layer, and no name of a cut layer is looked up (r38: 'ModuleList' object has no
+    attribute '1', and the block fell back to compiling at launches)."""
+    with tc_engine(tiny_llama, tmp_path, "eager", skip_warmup=True) as eng:
+        assert compile_info(eng)["bound"] is True
+        with eng.runner.model.first_layer_only():
+            assert greedy_ids(eng) == reference
+
+
 def test_a_damaged_package_and_a_foreign_capture_are_rebuilt(
     tiny_llama: Path,
     cold: Engine,

@@ -91,7 +91,6 @@ SAMPLES: dict[str, Callable[[], Sample]] = {
     "srt::tp_all_gather_rows": rows_sample(5, 1),
     **{f"srt::{op}": layer_op_sample(f"srt::{op}") for op in OPS},
     "srt::skinny_matmul_silu_and_mul": layer_op_sample("srt::skinny_matmul_silu_and_mul"),
-    "srt::add_rms_norm_skinny_matmul": layer_op_sample("srt::add_rms_norm_skinny_matmul"),
 }
 
 

@@ -25,9 +25,7 @@ from layer_op_cases import (
     INTERPRETED,
     KERNEL_DEVICES,
     LLAMA3_SCALING,
-    SKINNY_OPS,
     op_cases,
-    skinny_case_config,
     skinny_cases_table,
     skinny_entries,
     skinny_table_for,
@@ -42,7 +40,6 @@ from srt.layers.custom_op import apply_custom_ops
 from srt.layers.layernorm import RMSNorm, fused_add_rms_norm_kernel, rms_norm_kernel
 from srt.layers.linear import (
     Linear,
-    add_rms_norm_skinny_matmul_kernel,
     skinny_config,
     skinny_matmul_kernel,
     skinny_matmul_silu_and_mul_kernel,
@@ -235,12 +232,9 @@ def test_tc_piecewise_traces_the_selected_impl(
         info = eng.get_server_info()
         graph = (Path(info["compile"]["cache_dir"]) / "computation_graph.py").read_text()
         traced = set(re.findall(r"torch\.ops\.srt\.(\w+)\.default", graph))
-        # With the skinny kernel selected, the MLP's SiLU-and-mul is fused into its product,
-        # and the norms before qkv and gate/up into theirs.
+        # With the skinny kernel selected, the MLP's SiLU-and-mul is fused into its product.
         if "skinny_matmul_silu_and_mul" in traced:
             traced |= {"skinny_matmul", "silu_and_mul"}
-        if "add_rms_norm_skinny_matmul" in traced:
-            traced |= {"skinny_matmul", "silu_and_mul", "rms_norm", "fused_add_rms_norm"}
         # The rotary kernel runs inside the attention op, with the KV write, where the graph
         # hands the op the rotary tables.
         if re.search(r"srt\.attention\.default\([^)]*cos_cache", graph):
@@ -292,17 +286,10 @@ def poisoned_run(op: Callable, args: tuple) -> list[torch.Tensor]:
     from srt.layers.triton_ops.rms_norm import rms_norm_into
     from srt.layers.triton_ops.rotary import rotary_into
     from srt.layers.triton_ops.silu_and_mul import silu_and_mul_into
-    from srt.layers.triton_ops.skinny_matmul import NormPrologue, skinny_matmul_into
+    from srt.layers.triton_ops.skinny_matmul import skinny_matmul_into
 
     outs = [torch.full_like(t, float("nan")) for t in _leaves(op(*args))]
-    if op is add_rms_norm_skinny_matmul_kernel:
-        x, residual, norm_weight, eps, weight, bias, gated = args[:7]
-        config = skinny_config(x, weight, gated)
-        if config is None:  # the norm's kernel, then cuBLAS: nothing of ours to poison
-            return _leaves(op(*args))
-        norm = NormPrologue(norm_weight, eps, residual, outs[1])
-        skinny_matmul_into(outs[0], x, weight, bias, config, gated, norm=norm)
-    elif op in (skinny_matmul_kernel, skinny_matmul_silu_and_mul_kernel):
+    if op in (skinny_matmul_kernel, skinny_matmul_silu_and_mul_kernel):
         x, weight, third = args
         gated = op is skinny_matmul_silu_and_mul_kernel
         config = skinny_config(x, weight, gated)
@@ -326,30 +313,21 @@ def poisoned_run(op: Callable, args: tuple) -> list[torch.Tensor]:
 def test_kernels_match_the_reference(device: str, dtype: torch.dtype) -> None:
     cases = op_cases(dtype, device)
     with skinny_cases_table(device):
-        ran = [skinny_case_config(op, args) for op, _, args in cases if op in SKINNY_OPS]
-        assert sum(c is not None for c in ran) == 10, ran  # all but the 20 rows ran the kernel
+        ran = [
+            skinny_config(args[0], args[1], op is skinny_matmul_silu_and_mul_kernel)
+            for op, _, args in cases
+            if op in (skinny_matmul_kernel, skinny_matmul_silu_and_mul_kernel)
+        ]
+        assert sum(c is not None for c in ran) == 5, ran  # all but the 20 rows ran the kernel
         _check_cases(cases, dtype)
-
-
-# Triton's interpreter rounds every float32 -> bfloat16 cast toward zero (the GPU to the
-# nearest): a result whose intermediates are rounded to bf16 (the fused norm's residual sum and
-# the gated form's gate, up and activation, values up to ~10) may be off by one of their ulps.
-INTERPRETED_BF16 = {"rtol": 2e-2, "atol": 7e-2}
 
 
 def _check_cases(cases: list, dtype: torch.dtype) -> None:
     for op, reference, args in cases:
-        expected_all = _leaves(reference(*args))
-        outs = poisoned_run(op, args)
-        tol = tolerance(dtype)
-        fused_norm = op is add_rms_norm_skinny_matmul_kernel
-        if fused_norm and dtype == torch.bfloat16 and outs[0].device.type == "cpu":
-            tol = INTERPRETED_BF16
-        for out, expected in zip(outs, expected_all, strict=True):
-            torch.testing.assert_close(out, expected, **tol, msg=lambda m, op=op: f"{op}: {m}")
-        if fused_norm and outs[1].device.type == "cuda":
-            # The residual stream is the unfused path's, bit for bit.
-            assert torch.equal(outs[1], expected_all[1]), "the summed rows differ"
+        for out, expected in zip(poisoned_run(op, args), _leaves(reference(*args)), strict=True):
+            torch.testing.assert_close(
+                out, expected, **tolerance(dtype), msg=lambda m, op=op: f"{op}: {m}"
+            )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -456,16 +434,16 @@ def model_products(path: Path) -> list[tuple[int, int, bool]]:
 
 def greedy_ids_under_a_skinny_table(
     path: Path, device: str, entries: list[str], **options: Any
-) -> tuple[list[list[int]], list[tuple[int, int, bool]]]:
+) -> tuple[list[list[int]], list[tuple[int, int]]]:
     """Greedy ids of the model with `--custom-ops entries`, the skinny matmul kernel chosen for
     every product of up to 8 rows (a table that says so), and the kernel's launches as (rows,
-    pdl, whether a norm was its prologue)."""
+    pdl)."""
     name = torch.cuda.get_device_name() if device == "cuda" else device
-    launches: list[tuple[int, int, bool]] = []
+    launches: list[tuple[int, int]] = []
     import srt.layers.triton_ops.skinny_matmul as skinny
 
     def counted(*args: Any, **kwargs: Any) -> None:
-        launches.append((args[1].shape[0], kwargs.get("pdl", 0), kwargs.get("norm") is not None))
+        launches.append((args[1].shape[0], kwargs.get("pdl", 0)))
         original(*args, **kwargs)
 
     original = skinny.skinny_matmul_into
@@ -492,8 +470,6 @@ def greedy_ids_kernels_on_and_off(path: Path, device: str, **options: Any) -> di
             path, device, entries, **options
         )
         assert bool(launches) == (entries == ["all"]), launches
-        # With every kernel on, the norms before qkv and gate/up run in their products.
-        assert any(norm for _, _, norm in launches) == (entries == ["all"]), launches
     return ids
 
 
@@ -563,7 +539,7 @@ def test_the_skinny_kernel_launched_as_a_dependent_gives_the_plain_launches_ids(
         ids[mode], launches = greedy_ids_under_a_skinny_table(
             path, "cuda", ["all"], skinny_matmul_launch=mode, compile_cache_dir=str(tmp_path)
         )
-        assert launches and {pdl for _, pdl, _ in launches} == {SKINNY_LAUNCHES[mode]}, launches
+        assert launches and {pdl for _, pdl in launches} == {SKINNY_LAUNCHES[mode]}, launches
     assert ids[launch] == ids["plain"]
 
 

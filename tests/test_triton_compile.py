@@ -224,13 +224,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from srt.layers.triton_ops.skinny_matmul import _skinny_matmul_kernel as kernel
-pointers = {name: "*bf16" for name in ("X", "W", "BIAS", "OUT", "RES", "NORM_W", "RES_OUT")}
-scalars = {name: "i32" for name in ("M", "N", "stride_xm", "stride_wn", "stride_om", "stride_rm",
-                                    "stride_rom", "up_offset")} | {"eps": "fp32"}
+pointers = {name: "*bf16" for name in ("X", "W", "BIAS", "OUT")}
+scalars = {name: "i32" for name in ("M", "N", "stride_xm", "stride_wn", "stride_om", "up_offset")}
 for pdl in (0, 1, 2):
     for rows, gated in ((1, True), (16, False)):
-        consts = dict(K=2048, HAS_BIAS=False, GATED=gated, NORM=False, HAS_RESIDUAL=False,
-                      EVEN_K=True, BLOCK_M=rows,
+        consts = dict(K=2048, HAS_BIAS=False, GATED=gated, EVEN_K=True, BLOCK_M=rows,
                       BLOCK_N=4 if rows == 1 else 32, BLOCK_K=1024 if rows == 1 else 256,
                       PRECISION="tf32", UPCAST_DOT=False, PDL=pdl > 0, PREFETCH_L2=pdl > 1,
                       PREFETCH_K=2048 if rows == 1 else 512)

@@ -161,7 +161,12 @@ class BoundForward:
         self._args = [(i, s.index) for i, s in enumerate(slots) if s.kind == "arg"]
         self._sizes = [(i, s.index, s.dim) for i, s in enumerate(slots) if s.kind == "size"]
 
-    def _bind(self, model: nn.Module) -> None:
+    def bind(self, model: nn.Module) -> None:
+        """Read the model's weights for the graph now (a later call with the same model object
+        reuses them). Bound where it is traced or loaded: the compile-ahead block's forwards
+        run with the decoder layers cut to the first (`first_layer_only`), where the later
+        layers' names do not resolve."""
+
         def weight(name: str) -> Any:
             return functools.reduce(getattr, name.split("."), model)
 
@@ -173,7 +178,7 @@ class BoundForward:
 
     def __call__(self, model: nn.Module, *args: torch.Tensor) -> Any:
         if model is not self._model:
-            self._bind(model)
+            self.bind(model)
         values = list(self._values)
         for i, index in self._args:
             values[i] = args[index]

@@ -144,7 +144,9 @@ class PiecewiseModel:
         if self.graph_source is None:
             self.graph_source = "loaded"
             self.graph_load_s -= self.backend.compile_s  # the pieces' share
-        if not isinstance(forward, BoundForward) and not self.keep_shape_guards:
+        if isinstance(forward, BoundForward):
+            forward.bind(self.model)
+        elif not self.keep_shape_guards:
             forward.disable_guard_check()  # no guards to check
         self.forward = forward
         self.total_s = time.perf_counter() - start

@@ -11,11 +11,6 @@ One op (see custom_op.py), `skinny_matmul`: the product by cuBLAS (the reference
 kernel where its tuning table (`skinny_matmul_table.py`) chose it for the weight's shape and
 the batch's row count, and cuBLAS elsewhere. The choice is made inside the op, at run time:
 one traced graph serves every row count.
-
-A layer whose input is an RMSNorm's output (`normed_input`: qkv and gate/up) takes the norm
-with it (`of_normed`): where the layer runs the skinny op and the norm its kernel, one op,
-`srt::add_rms_norm_skinny_matmul`, runs the norm in the kernel's prologue at the rows the
-table chose it for, and the norm's kernel then the product elsewhere.
 """
 
 from __future__ import annotations
@@ -31,16 +26,7 @@ from srt.compilation.op_registry import register_custom_op
 from srt.distributed import Shard, all_reduce, even_shard, tp_size
 from srt.layers.activation import SiluAndMul, silu_and_mul, silu_and_mul_kernel
 from srt.layers.custom_op import CustomOp
-from srt.layers.layernorm import (
-    RMSNorm,
-    fused_add_rms_norm,
-    fused_add_rms_norm_kernel,
-    rms_norm,
-    rms_norm_kernel,
-)
 from srt.layers.skinny_matmul_table import BUCKETS, SkinnyConfig, choose, table_fingerprint
-
-CONTIGUOUS = torch.contiguous_format
 
 
 class LinearShapeError(ValueError):
@@ -130,74 +116,6 @@ def skinny_matmul_silu_and_mul_kernel(
     return out
 
 
-def _added_and_normed(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The norm's kernel where the product runs without it: (norm(x [+ residual]), its input)."""
-    if residual is None:
-        return rms_norm_kernel(x, norm_weight, eps), x.clone(memory_format=CONTIGUOUS)
-    return fused_add_rms_norm_kernel(x, residual, norm_weight, eps)
-
-
-def add_rms_norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    gated: bool,
-    silu_kernel: bool = False,
-    launch: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of the fused op: `(linear(norm(s)), s)` for `s = x + residual` (a copy of x
-    without a residual: an op returns no alias of its input), then the SiLU-and-mul where
-    `gated`."""
-    if residual is None:
-        normed, summed = rms_norm(x, norm_weight, eps), x.clone(memory_format=CONTIGUOUS)
-    else:
-        normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
-    y = F.linear(normed, weight, bias)
-    return (silu_and_mul(y) if gated else y), summed
-
-
-@register_custom_op(
-    "add_rms_norm_skinny_matmul",
-    mutates_args=(),
-    fake_impl=add_rms_norm_linear,  # the reference's layout is the kernel's: all contiguous
-    reference=add_rms_norm_linear,
-)
-def add_rms_norm_skinny_matmul_kernel(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    gated: bool,
-    silu_kernel: bool = False,
-    launch: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm_linear` in one launch of the skinny kernel (the norm its prologue) where
-    the table chose the kernel for the product; elsewhere the norm's kernel, then the product
-    as `skinny_matmul` / `skinny_matmul_silu_and_mul` run it there (cuBLAS, and the SiLU-and-mul
-    kernel where `silu_kernel`, or its reference)."""
-    config = skinny_config(x, weight, gated)
-    if config is None:
-        normed, summed = _added_and_normed(x, residual, norm_weight, eps)
-        if gated:
-            return skinny_matmul_silu_and_mul_kernel(normed, weight, silu_kernel, launch), summed
-        return skinny_matmul_kernel(normed, weight, bias, launch), summed
-    from srt.layers.triton_ops.skinny_matmul import NormPrologue, skinny_matmul_into
-
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
-    out = x.new_empty((x.shape[0], n))
-    summed = torch.empty_like(x, memory_format=CONTIGUOUS)
-    norm = NormPrologue(norm_weight, eps, residual, summed)
-    skinny_matmul_into(out, x, weight, bias, config, gated=gated, pdl=launch, norm=norm)
-    return out, summed
-
-
 def linear(
     layer: CustomOp, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -210,8 +128,7 @@ def linear(
 def warm_skinny_matmuls(model: nn.Module) -> int:
     """Run once, on zeros, each skinny kernel launch the table chose for the products of
     `model`'s layers, at every row bucket, so that their compiles happen now (before ready)
-    and not in the first step of a bucket; the number of distinct launches. A layer whose
-    norm is fused (`of_normed`) is warmed with its norm, with and without a residual."""
+    and not in the first step of a bucket; the number of distinct launches."""
     done: set[tuple[object, ...]] = set()
     for layer in model.modules():
         weight = getattr(layer, "weight", None)
@@ -219,32 +136,15 @@ def warm_skinny_matmuls(model: nn.Module) -> int:
             continue
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             continue
-        # A fused layer's products come with its norm: after a residual add, or alone (the
-        # first layer's); the others plain.
-        norms: list[bool | None] = [None]
-        if isinstance(layer, Linear):
-            norms = [r for r in (False, True) if layer.fuses_norm(r)] or [None]
-        for residual, gated in [(r, g) for r in norms for g in (False, True)]:
+        for gated in (False, True):
             for rows in BUCKETS:
                 x = weight.new_zeros((rows, weight.shape[1]))
                 config = skinny_config(x, weight, gated)
-                key = (tuple(weight.shape), weight.dtype, weight.device, gated, residual, rows)
+                key = (tuple(weight.shape), weight.dtype, weight.device, gated, rows, config)
                 if config is None or key in done:
                     continue
                 done.add(key)
-                if residual is not None:
-                    add_rms_norm_skinny_matmul_kernel(
-                        x,
-                        torch.zeros_like(x) if residual else None,
-                        weight.new_ones(weight.shape[1]),
-                        1e-6,
-                        weight,
-                        None,
-                        gated,
-                        True,
-                        layer.skinny_launch,
-                    )
-                elif gated:
+                if gated:
                     skinny_matmul_silu_and_mul_kernel(x, weight, True, layer.skinny_launch)
                 else:
                     skinny_matmul_kernel(x, weight, None, layer.skinny_launch)
@@ -265,11 +165,8 @@ class Linear(CustomOp):
         *,
         out_shards: list[Shard] | None = None,
         in_shard: Shard | None = None,
-        normed_input: bool = False,
     ) -> None:
         super().__init__()
-        # The input is an RMSNorm's output, which `of_normed` may fuse into the product.
-        self.normed_input = normed_input
         self.input_size = input_size
         self.output_sizes = output_sizes
         self.out_shards = out_shards or [self.default_out_shard(size) for size in output_sizes]
@@ -308,41 +205,6 @@ class Linear(CustomOp):
                 x, self.weight, act.uses_kernel("silu_and_mul"), self.skinny_launch
             )
         return act(self(x))
-
-    def fuses_norm(self, with_residual: bool) -> bool:
-        """Whether `of_normed` runs the norm (after a residual add, or alone) in the product's
-        op: a `normed_input` layer where the skinny op and that norm's kernel are selected."""
-        norm_op = "fused_add_rms_norm" if with_residual else "rms_norm"
-        return self.normed_input and self.uses_kernel("skinny_matmul") and self.uses_kernel(norm_op)
-
-    def of_normed(
-        self,
-        norm: RMSNorm,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        act: SiluAndMul | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(self(norm(s)), s)` for `s = x + residual` (x without one), `act` applied after
-        the product where given (a packed [gate; up] layer): the norm in the product's op
-        where `fuses_norm`."""
-        gated = act is not None
-        if self.fuses_norm(residual is not None) and not (gated and self.bias is not None):
-            return add_rms_norm_skinny_matmul_kernel(
-                x,
-                residual,
-                norm.weight,
-                norm.eps,
-                self.weight,
-                self.bias,
-                gated,
-                act is not None and act.uses_kernel("silu_and_mul"),
-                self.skinny_launch,
-            )
-        if residual is None:
-            normed, residual = norm(x), x
-        else:
-            normed, residual = norm(x, residual)
-        return (self.silu_and_mul_of(normed, act) if act is not None else self(normed)), residual
 
 
 class ColumnParallelLinear(Linear):

@@ -354,11 +354,13 @@ class ModelRunner:
                 warm_skinny_matmuls(self.model)
         except Exception as e:
             block.finish()  # what was handed out still lands in the kernels' caches
+            # The message, not the exception: a log record holding it would hold its frames
+            # (this runner, its model and KV cache) as long as a handler keeps the record.
             logger.warning(
                 "compiling the warm-up's kernels ahead failed (%s: %s): each compiles at its "
                 "first launch",
                 type(e).__name__,
-                e,
+                str(e),
             )
             return None
         return block

@@ -22,25 +22,18 @@ from srt.layers.rotary_embedding import RotaryEmbedding
 from srt.layers.sequence_parallel import sequence_parallel  # noqa: F401  (registers the pass)
 from srt.model_config import ModelConfig
 
-# Each sublayer takes the RMSNorm before it with its input and residual: its first product
-# may run the norm in its prologue (`Linear.of_normed`), one launch fewer per norm.
-
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], normed_input=True
+            hidden_size, [intermediate_size, intermediate_size]
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.act_fn = SiluAndMul()
 
-    def forward(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mlp(norm(x + residual)), x + residual)."""
-        act, residual = self.gate_up_proj.of_normed(norm, x, residual, self.act_fn)
-        return self.down_proj(act), residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.silu_and_mul_of(x, self.act_fn))
 
 
 class LlamaAttention(nn.Module):
@@ -63,7 +56,6 @@ class LlamaAttention(nn.Module):
             [config.num_heads * d, kv_total, kv_total],
             bias=qkv_bias,
             out_shards=[q_rows, kv_rows, kv_rows],
-            normed_input=True,
         )
         # Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2 configs never set it.
         self.o_proj = RowParallelLinear(
@@ -74,26 +66,18 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(heads.size, kv_heads.size, d, d**-0.5)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        norm: RMSNorm,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention(norm(hidden + residual)), hidden + residual); hidden alone without a
-        residual (the first layer)."""
-        qkv, residual = self.qkv_proj.of_normed(norm, hidden, residual)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             # Qwen3 normalises each head before the rotation.
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
             k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
+        # Where the rotary kernel runs, the attention op rotates q and k in its KV write.
         rope = self.rotary.rope_for_attention(positions)
         if rope is None:
             q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, rope)), residual
+        return self.o_proj(self.attn(q, k, v, rope))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,8 +93,13 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.self_attn(positions, self.input_layernorm, hidden, residual)
-        return self.mlp(self.post_attention_layernorm, hidden, residual)
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):

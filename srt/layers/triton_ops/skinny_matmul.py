@@ -13,16 +13,6 @@ computes columns j of the gate and j of the up half together and writes silu(gat
 rounded as the unfused reference rounds (the product in the activation dtype, then the
 activation), so the fused and the unfused paths differ only in the sums' order.
 
-`NORM` fuses the RMSNorm before the product (after the residual add, `HAS_RESIDUAL`) into its
-prologue: every program reads the rows it multiplies anyway, so it adds the residual as it
-loads each tile, sums the squares as it goes, multiplies by the norm's weight and scales its
-sums by the rows' rsqrt at the end; the first program also writes the summed rows (the next
-residual). The summed rows are rounded as the reference rounds them (the residual stream is
-the unfused one's bits); the normalised input is not rounded to the activation dtype before
-the product (the unfused path rounds it twice), so the two differ by that rounding. At one
-row of the 1B model that is 32 of the step's 174 launches (the RMSNorm's, 0.063 of its 0.99
-ms on the H200, r28).
-
 The weights are loaded with `evict_first`: they are read once per step and should not push
 the activations out of L2.
 
@@ -36,25 +26,11 @@ products alone, nothing off the step (docs/benchmarks.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from srt.layers.skinny_matmul_table import MAX_ROWS, SkinnyConfig
-
-
-@dataclass(frozen=True)
-class NormPrologue:
-    """The RMSNorm fused before the product: `x` is normalised by `weight` (and `eps`) after
-    `residual` is added, if given; the summed rows go to `summed` ([M, K], unit stride on K),
-    which the product's first program writes (with no residual, x itself)."""
-
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None
-    summed: torch.Tensor
 
 
 @triton.jit
@@ -77,23 +53,15 @@ def _skinny_matmul_kernel(
     W,
     BIAS,
     OUT,
-    RES,  # NORM: the residual added before the norm (HAS_RESIDUAL), the norm's weight, and
-    NORM_W,  # where the summed rows go
-    RES_OUT,
     M,
     N,
     K: tl.constexpr,  # a model has a few; and Triton's interpreter cannot loop to a runtime bound
     stride_xm,
     stride_wn,
     stride_om,
-    stride_rm,
-    stride_rom,
     up_offset,  # GATED: weight rows from a gate row to its up row
-    eps,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -128,16 +96,10 @@ def _skinny_matmul_kernel(
     w_ptrs = W + safe_cols[:, None] * stride_wn + ks[None, :]
     up_ptrs = w_ptrs + up_offset * stride_wn
     x_ptrs = X + rows[None, :] * stride_xm + ks[:, None]  # x^T: [BLOCK_K, BLOCK_M]
-    r_ptrs = RES + rows[None, :] * stride_rm + ks[:, None]
-    summed_ptrs = RES_OUT + rows[None, :] * stride_rom + ks[:, None]
-    # The summed rows are written once, by the first program.
-    writes_summed = row_mask[None, :] & (tl.program_id(0) == 0)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
-            k_mask = ks < K  # all true: the norm's loads below share one form
             w = tl.load(w_ptrs, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=row_mask[None, :], other=0.0)
             if GATED:
@@ -150,26 +112,6 @@ def _skinny_matmul_kernel(
                 w_up = tl.load(
                     up_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first"
                 )
-        if NORM:
-            summed = x.to(tl.float32)
-            if HAS_RESIDUAL:
-                r = tl.load(r_ptrs, mask=row_mask[None, :] & k_mask[:, None], other=0.0)
-                # Rounded as the reference's `x + residual`: the residual stream's own bits.
-                summed = (summed + r.to(tl.float32)).to(RES_OUT.dtype.element_ty)
-                summed = summed.to(tl.float32)
-            tl.store(
-                summed_ptrs,
-                summed.to(RES_OUT.dtype.element_ty),
-                mask=writes_summed & k_mask[:, None],
-            )
-            squares += tl.sum(summed * summed, axis=0)
-            g = tl.load(NORM_W + k + ks, mask=k_mask, other=0.0).to(tl.float32)
-            # The rows times the norm's weight; the rsqrt scales the sums after the loop.
-            x = summed * g[:, None]
-            if BLOCK_M > 1 and not UPCAST_DOT:
-                x = x.to(W.dtype.element_ty)  # the MMA's operands are the weight's dtype
-            r_ptrs += BLOCK_K
-            summed_ptrs += BLOCK_K
         if BLOCK_M == 1:
             # [BLOCK_N, BLOCK_K] * [1, BLOCK_K], summed over K: one row needs no MMA.
             x_row = tl.trans(x).to(tl.float32)
@@ -194,11 +136,6 @@ def _skinny_matmul_kernel(
         # waves need (r28: triggered at the start, 16 rows of the 1B products took 1.20x).
         tl.extra.cuda.gdc_launch_dependents()
     dtype = OUT.dtype.element_ty
-    if NORM:
-        rstd = tl.rsqrt(squares / K + eps)
-        acc = acc * rstd[None, :]
-        if GATED:
-            acc_up = acc_up * rstd[None, :]
     if HAS_BIAS:
         acc += tl.load(BIAS + safe_cols).to(tl.float32)[:, None]
     if GATED:
@@ -221,13 +158,11 @@ def skinny_matmul_into(
     config: SkinnyConfig,
     gated: bool = False,
     pdl: int = 0,
-    norm: NormPrologue | None = None,
 ) -> None:
     """out = x @ weight^T (+ bias) or, `gated`, silu(x @ gate^T) * (x @ up^T) for weight the
     packed [gate; up] (no bias). x [M, K] with M <= MAX_ROWS and unit stride on K, weight
     [N, K] contiguous, out [M, N] (N / 2 gated) with unit stride on N. `pdl`: 0 a plain launch,
-    1 a programmatic dependent launch, 2 that and the weights prefetched into L2 (CUDA only).
-    `norm`: x is first normalised as it says (its residual added before, if any)."""
+    1 a programmatic dependent launch, 2 that and the weights prefetched into L2 (CUDA only)."""
     rows, k = x.shape
     if not 0 < rows <= MAX_ROWS:
         raise ValueError(f"skinny_matmul_into takes 1 to {MAX_ROWS} rows, got {rows}")
@@ -238,12 +173,6 @@ def skinny_matmul_into(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert weight.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == (rows, n)
     assert not (gated and bias is not None)
-    residual = norm.residual if norm is not None else None
-    if residual is not None and residual.stride(-1) != 1:
-        residual = residual.contiguous()
-    if norm is not None:
-        assert norm.summed.shape == x.shape and norm.summed.stride(-1) == 1
-        assert norm.weight.shape == (k,) and norm.weight.is_contiguous()
     prefetch_bytes = min(k, config.block_k * config.num_stages) * weight.element_size()
     # A bulk prefetch moves whole 16-byte units from a 16-byte aligned address: a weight whose
     # rows do not start on one, or a prefix that does not end on one, is launched as a
@@ -255,23 +184,15 @@ def skinny_matmul_into(
         weight,
         bias if bias is not None else weight,
         out,
-        residual if residual is not None else x,
-        norm.weight if norm is not None else weight,
-        norm.summed if norm is not None else out,
         rows,
         n,
         k,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        norm.summed.stride(0) if norm is not None else 0,
         n if gated else 0,
-        norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None,
         GATED=gated,
-        NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None,
         EVEN_K=k % config.block_k == 0,
         BLOCK_M=1 if rows == 1 else MAX_ROWS,
         BLOCK_N=config.block_n,
