@@ -123,6 +123,8 @@ def rotary_into(
     cos_cache, sin_cache = cos_cache.contiguous(), sin_cache.contiguous()
     half = cos_cache.shape[1]
     num_q_heads, num_kv_heads = q.shape[1] // (2 * half), k.shape[1] // (2 * half)
+    # Without a cache write the kernel never reads these four (WRITE_CACHE is off): any
+    # tensors of the right kinds stand in, so that one signature serves both launches.
     v, k_cache, v_cache, loc = cache if cache is not None else (k, k_out, k_out, positions)
     _rotary_kernel[(tokens,)](
         positions,
