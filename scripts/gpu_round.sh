@@ -20,7 +20,7 @@
 #                        full --enable-torch-compile, full with flashinfer attention
 #                        (full-flashinfer, not in the default list), full with the
 #                        skinny kernel launched as a programmatic dependent (full-pdl,
-#                        full-pdl-prefetch, not in the default list either), full over
+#                        not in the default list either), full over
 #                        Inductor pieces, breakable, tc_piecewise eager and inductor, full
 #                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF);
 #                        not in the default list: the partition mode under tc_piecewise
@@ -202,7 +202,6 @@ runner() {  # the decode paths of srt and the alternatives on one shape
     [prefill-full]="--cuda-graph-backend-decode full --cuda-graph-backend-prefill full"
     [full-flashinfer]="--cuda-graph-backend-decode full --attention-backend flashinfer"
     [full-pdl]="--cuda-graph-backend-decode full --skinny-matmul-launch pdl"
-    [full-pdl-prefetch]="--cuda-graph-backend-decode full --skinny-matmul-launch pdl-prefetch"
   )
   local config method
   for config in $configs; do

@@ -5,10 +5,10 @@
 The products of every layer of a model shape (QKV, output, gate/up with the SiLU-and-mul fused,
 down; the LM head last), each reading the one before's output as a step does, with distinct
 weights per layer, through the skinny matmul kernel with the tile its table chose (where the
-table has the shape), captured in one CUDA graph and replayed. Three launch modes: `plain`
-(each kernel waits for the one before to end), `pdl` (each starts while the one before runs
-and waits in `gdc_wait` before reading anything), `pdl-prefetch` (the same, and before
-waiting each program streams its weight rows into L2). Printed: ms per chain (median of
+table has the shape), captured in one CUDA graph and replayed. Two launch modes: `plain`
+(each kernel waits for the one before to end) and `pdl` (each starts as the one before walks
+its last K block, at one row loads its first weight tile, and waits in `gdc_wait` before
+reading its input). Printed: ms per chain (median of
 replays), the weights' bytes over it, and whether each mode's outputs equal `plain`'s bit for
 bit. What it answers: how much of the products' time over the bandwidth floor is each
 kernel's start and end, which PDL can overlap, and whether captured graphs keep its edges.
@@ -26,7 +26,7 @@ from srt.layers.skinny_matmul_table import SkinnyConfig, choose
 from srt.layers.triton_ops.skinny_matmul import skinny_matmul_into
 from srt.tools.model_shapes import MODEL_SHAPES
 
-MODES = {"plain": 0, "pdl": 1, "pdl-prefetch": 2}
+MODES = {"plain": 0, "pdl": 1}
 Step = tuple[SkinnyConfig, torch.Tensor, torch.Tensor, torch.Tensor, bool]  # w, in, out, gated
 FALLBACK = {"one": SkinnyConfig(4, 1024, 4, 2), "many": SkinnyConfig(32, 256, 4, 5)}
 

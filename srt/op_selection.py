@@ -14,9 +14,9 @@ from srt.ipc.reports import OpImplInfo
 
 OPS = ("fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", "skinny_matmul")
 # How the skinny matmul kernel launches (`--skinny-matmul-launch`), as `skinny_matmul_into`'s
-# `pdl`: plainly, as a programmatic dependent of the kernel before it, or that with its weight
-# rows prefetched into L2 before it waits. The dependent launches need Hopper's griddepcontrol.
-SKINNY_LAUNCHES = {"plain": 0, "pdl": 1, "pdl-prefetch": 2}
+# `pdl`: plainly, or as a programmatic dependent of the kernel before it (Hopper's
+# griddepcontrol).
+SKINNY_LAUNCHES = {"plain": 0, "pdl": 1}
 PDL_MIN_CAPABILITY = (9, 0)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -175,11 +175,11 @@ class ServerArgs:
     )
     skinny_matmul_launch: str = _opt(
         "plain",
-        "How the skinny matmul kernel launches: plain; pdl, as a programmatic dependent of the "
-        "kernel before it (its start overlaps that kernel's end, and it waits before reading its "
-        "input); pdl-prefetch, that and its weight rows streamed into L2 before it waits. The "
-        "last two need a CUDA GPU of compute capability 9.0 or newer.",
-        choices=["plain", "pdl", "pdl-prefetch"],
+        "How the skinny matmul kernel launches: plain; or pdl, as a programmatic dependent of "
+        "the kernel before it (it starts while that kernel runs and loads its first weight tile, "
+        "then waits before reading its input), which needs a CUDA GPU of compute capability 9.0 "
+        "or newer.",
+        choices=["plain", "pdl"],
     )
     compile_threads: int | None = _opt(
         None,

@@ -88,8 +88,11 @@ def test_step_sums_weigh_each_product_by_its_count_per_step() -> None:
 def test_programmatic_dependent_launches_give_the_plain_launches_bits_in_a_graph(
     rows: int,
 ) -> None:
-    """A chain of products, each reading the one before's output, captured with each launch
-    mode: the dependent launches (`pdl` 1, 2) wait for their input, so the bits are the same."""
+    """A chain of products, each reading the one before's output, an RMSNorm (which releases
+    its dependent as it starts) before the gated one, captured with each launch mode: a
+    dependent launch (`pdl` 1) loads weights early but waits for its input, so the bits are
+    the same."""
+    from srt.layers.triton_ops.rms_norm import rms_norm_into
     from srt.layers.triton_ops.skinny_matmul import skinny_matmul_into
 
     dev = torch.device("cuda")
@@ -106,19 +109,25 @@ def test_programmatic_dependent_launches_give_the_plain_launches_bits_in_a_graph
         for i, (n, _) in enumerate(sizes)
     ]
 
+    normed = torch.empty(rows, 768, device=dev, dtype=torch.bfloat16)
+    norm_weight = torch.rand(768, generator=gen, device=dev, dtype=torch.bfloat16) + 0.5
+
     def chain(pdl: int) -> None:
         current = x
         for i, (w, out) in enumerate(zip(weights, outs, strict=True)):
+            if i == 1:
+                rms_norm_into(normed, current, norm_weight, 1e-6)
+                current = normed
             skinny_matmul_into(out, current, w, None, config, gated=i == 1, pdl=pdl)
             current = out
 
     results = []
-    for pdl in (0, 1, 2):
+    for pdl in (0, 1):
         chain(pdl)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             chain(pdl)
-        for out in outs:
+        for out in (*outs, normed):
             out.fill_(float("nan"))  # poisoned: the replay must write every element
         graph.replay()
         torch.cuda.synchronize()

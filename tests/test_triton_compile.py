@@ -226,34 +226,128 @@ from triton.compiler import ASTSource
 from srt.layers.triton_ops.skinny_matmul import _skinny_matmul_kernel as kernel
 pointers = {name: "*bf16" for name in ("X", "W", "BIAS", "OUT")}
 scalars = {name: "i32" for name in ("M", "N", "stride_xm", "stride_wn", "stride_om", "up_offset")}
-for pdl in (0, 1, 2):
-    for rows, gated in ((1, True), (16, False)):
+for pdl in (0, 1):
+    # one K block (the release after the wait), two (in the loop's last turn), and eight
+    for rows, gated, block_k in ((1, True, 2048), (1, False, 1024), (16, False, 256)):
         consts = dict(K=2048, HAS_BIAS=False, GATED=gated, EVEN_K=True, BLOCK_M=rows,
-                      BLOCK_N=4 if rows == 1 else 32, BLOCK_K=1024 if rows == 1 else 256,
-                      PRECISION="tf32", UPCAST_DOT=False, PDL=pdl > 0, PREFETCH_L2=pdl > 1,
-                      PREFETCH_K=2048 if rows == 1 else 512)
+                      BLOCK_N=4 if rows == 1 else 32, BLOCK_K=block_k,
+                      PRECISION="tf32", UPCAST_DOT=False, PDL=pdl > 0)
         signature = pointers | scalars | {name: "constexpr" for name in consts}
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=4, num_stages=2, launch_pdl=pdl > 0))
         ptx = compiled.asm["ptx"]
-        print(pdl, gated, "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
-              ptx.count("cp.async.bulk.prefetch.L2"), compiled.metadata.launch_pdl)
+        # The weight tile loads before the wait: some global load precedes it in the PTX.
+        before_wait = ptx.split("griddepcontrol.wait")[0]
+        print(pdl, block_k, "griddepcontrol.wait" in ptx,
+              "griddepcontrol.launch_dependents" in ptx,
+              "ld.global" in before_wait and "griddepcontrol.wait" in ptx,
+              compiled.metadata.launch_pdl)
 """
 
 
 def test_the_skinny_kernel_compiles_as_a_programmatic_dependent_for_the_h200() -> None:
-    """`pdl=1` waits for the kernel before in `griddepcontrol.wait`, lets the next one start
-    (`launch_dependents`) and is launched with the attribute; `pdl=2` also prefetches its
-    weight rows' first tiles into L2 first (gate and up, gated)."""
+    """`pdl=1` waits for the kernel before in `griddepcontrol.wait` (at one row after loading
+    its first weight tile), lets the next one start (`launch_dependents`) and is launched with
+    the attribute; a plain launch has neither instruction."""
     pytest.importorskip("triton")
     lines = run_python(_PDL_PTX, interpret=False).split()
     got = [lines[i : i + 6] for i in range(0, len(lines), 6)]
     assert got == [
-        ["0", "True", "False", "False", "0", "False"],
-        ["0", "False", "False", "False", "0", "False"],
-        ["1", "True", "True", "True", "0", "True"],
-        ["1", "False", "True", "True", "0", "True"],
-        ["2", "True", "True", "True", "2", "True"],
-        ["2", "False", "True", "True", "1", "True"],
+        ["0", "2048", "False", "False", "False", "False"],
+        ["0", "1024", "False", "False", "False", "False"],
+        ["0", "256", "False", "False", "False", "False"],
+        ["1", "2048", "True", "True", "True", "True"],
+        ["1", "1024", "True", "True", "True", "True"],
+        ["1", "256", "True", "True", "False", "True"],
     ]
+
+
+_PDL_SHARED = """
+import inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from srt.layers.skinny_matmul_table import TUNED_DIR
+from srt.layers.triton_ops.skinny_matmul import MAX_ROWS, _skinny_matmul_kernel as kernel
+params = list(inspect.signature(kernel.fn).parameters)
+signature = {name: "*bf16" for name in ("X", "W", "BIAS", "OUT")}
+signature |= {name: "i32"
+              for name in ("M", "N", "stride_xm", "stride_wn", "stride_om", "up_offset")}
+# What a launch on the GPU is specialised on (pointers and strides divisible by 16): with it the
+# tensor-core path's loads go through shared memory, as they do there.
+attrs = {(params.index(name),): [["tt.divisibility", 16]]
+         for name in ("X", "W", "BIAS", "OUT", "N", "stride_xm", "stride_wn", "stride_om")}
+launches = set()
+for table in sorted(TUNED_DIR.glob("skinny_matmul-*.json")):
+    for key, buckets in json.loads(table.read_text())["shapes"].items():
+        k = int(key.split()[1].split("x")[1])
+        for rows, entry in buckets.items():
+            if rows != "1":  # the tensor-core path; one row stages nothing in shared memory
+                launches.add((k, key.endswith("gated"), *entry["config"]))
+for k, gated, block_n, block_k, warps, stages in sorted(launches):
+    shared = []
+    for pdl in (False, True):
+        consts = dict(K=k, HAS_BIAS=False, GATED=gated, EVEN_K=k % block_k == 0, BLOCK_M=MAX_ROWS,
+                      BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32", UPCAST_DOT=False,
+                      PDL=pdl)
+        compiled = triton.compile(
+            ASTSource(kernel, signature | {name: "constexpr" for name in consts},
+                      constexprs=consts, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=warps, num_stages=stages, launch_pdl=pdl))
+        shared.append(compiled.metadata.shared)
+    print(json.dumps([[k, gated, block_n, block_k, warps, stages], *shared]))
+"""
+
+
+def test_a_dependent_launch_takes_the_shared_memory_of_the_plain_one() -> None:
+    """Every tensor-core launch the committed tables choose needs as much shared memory as a
+    dependent launch as it does plainly (the tables were tuned plainly, against the SM's
+    limit): r39's first form of the dependent launch took a stage more, and the LM head's
+    tile no longer fit an H100."""
+    pytest.importorskip("triton")
+    rows = [json.loads(line) for line in run_python(_PDL_SHARED, interpret=False).splitlines()]
+    assert rows, "no tensor-core launch in the committed tables"
+    assert [r for r in rows if r[1] != r[2]] == []
+
+
+_RELEASE_PTX = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from srt.layers.attention.triton_ops.decode_attention import _decode_kernel
+from srt.layers.triton_ops.rms_norm import _rms_norm_kernel
+norm = dict(X="*bf16", W="*bf16", OUT="*bf16", RES="*bf16", RES_OUT="*bf16", num_heads="i32",
+            stride_x_token="i32", stride_x_head="i32", stride_res_token="i32", n_cols="i32",
+            eps="fp32")
+decode = {name: "*bf16" for name in ("Q", "K", "V", "Out")}
+decode |= {name: "*i32" for name in ("req_to_token", "req_pool_indices", "seq_lens", "arrivals")}
+decode |= {name: "*fp32" for name in ("part_out", "part_lse")}
+decode |= {name: "i32" for name in (
+    "stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_k_slot",
+    "stride_k_head", "stride_v_slot", "stride_v_head", "stride_table", "stride_po_req",
+    "stride_po_head", "stride_po_split", "stride_pl_req", "stride_pl_head", "num_splits",
+    "min_split")} | {"scale_log2": "fp32"}
+kernels = (
+    (_rms_norm_kernel, norm, dict(HAS_RESIDUAL=True, BLOCK=2048), 8),
+    (_decode_kernel, decode, dict(GROUP=4, HEAD_DIM=64, BLOCK_D=64, BLOCK_H=16, BLOCK_G=4,
+                                  BLOCK_N=64, DOT_PRECISION="tf32", LOAD_V_WITH_K=True), 2),
+)
+for kernel, signature, consts, warps in kernels:
+    for release in (False, True):
+        c = consts | {"RELEASE_DEPENDENTS": release}
+        compiled = triton.compile(
+            ASTSource(kernel, signature | {name: "constexpr" for name in c}, constexprs=c),
+            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2))
+        print(release, "griddepcontrol.launch_dependents" in compiled.asm["ptx"])
+"""
+
+
+def test_the_norm_and_decode_attention_kernels_release_their_dependents_on_the_h200() -> None:
+    """With RELEASE_DEPENDENTS (a CUDA tensor on sm_90: `releases_dependents`) the RMSNorm and
+    decode attention kernels call `launch_dependents`; without it, they do not."""
+    pytest.importorskip("triton")
+    lines = run_python(_RELEASE_PTX, interpret=False).split()
+    # (RELEASE_DEPENDENTS, launch_dependents in the PTX): the norm's two, then attention's
+    assert lines == ["False", "False", "True", "True"] * 2

@@ -46,15 +46,20 @@ from srt.tools.model_shapes import MODEL_SHAPES
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 CHAIN_BYTES = 256 * 2**20
 # One row: dot products on the CUDA cores, few columns a program; more rows: the tensor cores.
+# K blocks up to 4,096 columns: a program's loads in flight are one block's, and at one row the
+# 1B shape's products took 2.5-3.5 us more than their bytes at the LM head's 3.1 TB/s with
+# blocks of at most 1,024 (r30, H100); a block as wide as K has all of them in flight at once.
 CANDIDATES = {
     "one": [
         SkinnyConfig(n, k, w, s)
         for n in (4, 8, 16)
-        for k in (512, 1024)
+        for k in (512, 1024, 2048, 4096)
         for w in (4, 8)
         for s in (2, 4)
     ],
-    "many": [SkinnyConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256) for s in (3, 5)],
+    "many": [
+        SkinnyConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3, 5)
+    ],
 }
 
 
@@ -84,6 +89,12 @@ def products(shape: str) -> list[Product]:
 
 def family(rows: int) -> str:
     return "one" if rows == 1 else "many"
+
+
+def candidates(rows: int, k: int) -> list[SkinnyConfig]:
+    """The tiles tried for a product of `rows` rows over K = `k`: none whose K block is wider
+    than K (a masked half of a tile is no faster)."""
+    return [c for c in CANDIDATES[family(rows)] if c.block_k <= k]
 
 
 def kernel_call(config: SkinnyConfig, gated: bool) -> Callable[[torch.Tensor, torch.Tensor], Any]:
@@ -194,7 +205,7 @@ def bench_product(
         want = cublas_call(product.gated)(x, weights[0]).float()
         cublas = chain_ms(cublas_call(product.gated), x, weights, repeats)
         timed = []
-        for config in CANDIDATES[family(rows)]:
+        for config in candidates(rows, product.k):
             spec = (product.k, product.gated, min(rows, 2), dtype, tuple(config.as_list()))
             if spec in failed:
                 continue
@@ -269,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             (p.k, p.gated, r, ns.dtype, tuple(c.as_list()))
             for p in all_products
             for r in (1, 2)
-            for c in CANDIDATES[family(r)]
+            for c in candidates(r, p.k)
         }
     )
     compile_s, failed = compile_all(specs, ns.compile_workers)

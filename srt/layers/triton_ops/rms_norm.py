@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from srt.layers.triton_ops.dependent_launch import release_dependents, releases_dependents
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -22,7 +24,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    RELEASE_DEPENDENTS: tl.constexpr,
 ):
+    release_dependents(RELEASE_DEPENDENTS)
     # Row r is (token r // num_heads, head r % num_heads): a [T, H, D] view of packed q/k
     # projections is normalised per head in place of a copy to a contiguous tensor.
     row = tl.program_id(0).to(tl.int64)
@@ -97,5 +101,6 @@ def rms_norm_into(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        RELEASE_DEPENDENTS=releases_dependents(x),
         num_warps=num_warps,
     )

@@ -16,12 +16,12 @@ activation), so the fused and the unfused paths differ only in the sums' order.
 The weights are loaded with `evict_first`: they are read once per step and should not push
 the activations out of L2.
 
-`pdl` launches the kernel as a programmatic dependent of the one before it (sm_90): its
-programs may start while that kernel ends and wait in `gdc_wait` before touching an
-activation, and the next grid may start once this one's loop is done; `pdl=2` also prefetches
-the program's first weight tiles into L2 before waiting (the weights are no kernel's output).
-Off by default (`--skinny-matmul-launch`): r28-r30 measured 1-4% off a chain of these
-products alone, nothing off the step (docs/benchmarks.md).
+`pdl` launches the kernel as a programmatic dependent of the kernel before it (sm_90): its
+programs may start while that kernel still runs (the step's RMSNorm and decode attention
+kernels release their dependents as they start, `dependent_launch.py`), at one row load their
+first weight tile (the weights are no kernel's output), and wait in `gdc_wait` before they
+read the activation; each program releases the next grid as it reaches its last K block. Off
+by default (`--skinny-matmul-launch`).
 """
 
 from __future__ import annotations
@@ -34,16 +34,57 @@ from srt.layers.skinny_matmul_table import MAX_ROWS, SkinnyConfig
 
 
 @triton.jit
-def _prefetch_l2(row_ptrs, row_bytes):
-    """cp.async.bulk.prefetch.L2 of `row_bytes` from each pointer (sm_90): into L2, no registers."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r",
-        [row_ptrs, row_bytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+def _load_weight_tile(w_ptrs, up_ptrs, ks, k_left, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at `w_ptrs` (and its up rows', GATED), `k_left`
+    columns of it in bounds."""
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+        w_up = tl.load(up_ptrs, eviction_policy="evict_first") if GATED else w
+    else:
+        k_mask = (ks < k_left)[None, :]
+        w = tl.load(w_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
+        if GATED:
+            w_up = tl.load(up_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
+        else:
+            w_up = w
+    return w, w_up
+
+
+@triton.jit
+def _load_x_tile(x_ptrs, ks, k_left, row_mask, EVEN_K: tl.constexpr):
+    """The activation's [BLOCK_K, BLOCK_M] tile (x^T) at `x_ptrs`."""
+    if EVEN_K:
+        return tl.load(x_ptrs, mask=row_mask[None, :], other=0.0)
+    return tl.load(x_ptrs, mask=row_mask[None, :] & (ks < k_left)[:, None], other=0.0)
+
+
+@triton.jit
+def _accumulate(
+    acc,
+    acc_up,
+    w,
+    w_up,
+    x,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    if BLOCK_M == 1:
+        # [BLOCK_N, BLOCK_K] * [1, BLOCK_K], summed over K: one row needs no MMA.
+        x_row = tl.trans(x).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x_row, axis=1, keep_dims=True)
+        if GATED:
+            acc_up += tl.sum(w_up.to(tl.float32) * x_row, axis=1, keep_dims=True)
+    else:
+        if UPCAST_DOT:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+            w_up = w_up.to(tl.float32)
+        acc += tl.dot(w, x, input_precision=PRECISION)
+        if GATED:
+            acc_up += tl.dot(w_up, x, input_precision=PRECISION)
+    return acc, acc_up
 
 
 # One compile for every row count above 1 (Triton would specialise 16 apart from 2 to 15).
@@ -69,27 +110,11 @@ def _skinny_matmul_kernel(
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_L2: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     # A masked column reads row 0, so that every weight load is in bounds and unmasked on N.
     safe_cols = tl.where(col_mask, cols, 0).to(tl.int64)
-    if PDL:
-        # Launched as a programmatic dependent: this grid may start while the kernel before it
-        # ends. Nothing a kernel before wrote is read, nor anything written, before gdc_wait.
-        if PREFETCH_L2:
-            # The weights are no kernel's output: the program's first tiles (what the loop's
-            # stages load first) start into L2 now. Only those: a whole matrix can exceed L2,
-            # and would then be read from memory twice.
-            row_bytes = tl.full(
-                [BLOCK_N], PREFETCH_K * W.dtype.element_ty.primitive_bitwidth // 8, tl.int32
-            )
-            _prefetch_l2(W + safe_cols * stride_wn, row_bytes)
-            if GATED:
-                _prefetch_l2(W + (safe_cols + up_offset) * stride_wn, row_bytes)
-        tl.extra.cuda.gdc_wait()
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     ks = tl.arange(0, BLOCK_K)
@@ -98,43 +123,40 @@ def _skinny_matmul_kernel(
     x_ptrs = X + rows[None, :] * stride_xm + ks[:, None]  # x^T: [BLOCK_K, BLOCK_M]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=row_mask[None, :], other=0.0)
-            if GATED:
-                w_up = tl.load(up_ptrs, eviction_policy="evict_first")
-        else:
-            k_mask = ks < K - k
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=row_mask[None, :] & k_mask[:, None], other=0.0)
-            if GATED:
-                w_up = tl.load(
-                    up_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first"
-                )
-        if BLOCK_M == 1:
-            # [BLOCK_N, BLOCK_K] * [1, BLOCK_K], summed over K: one row needs no MMA.
-            x_row = tl.trans(x).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x_row, axis=1, keep_dims=True)
-            if GATED:
-                acc_up += tl.sum(w_up.to(tl.float32) * x_row, axis=1, keep_dims=True)
-        else:
-            if UPCAST_DOT:
-                w = w.to(tl.float32)
-                x = x.to(tl.float32)
-                if GATED:
-                    w_up = w_up.to(tl.float32)
-            acc += tl.dot(w, x, input_precision=PRECISION)
-            if GATED:
-                acc_up += tl.dot(w_up, x, input_precision=PRECISION)
+    # Launched as a programmatic dependent, this grid may run while the kernel before it does.
+    # Nothing a kernel before wrote (the activation) is read, nor anything written, before
+    # gdc_wait. The weights are no kernel's output: at one row the first K block's tile loads
+    # first. Not on the tensor-core path, whose loop stages its loads through shared memory:
+    # there a tile loaded before the loop took one stage's buffer more (r39: the LM head's
+    # 64x256 tile at 5 stages needed 240 KB, past the H100's 227, and its warm-up failed).
+    PEEL: tl.constexpr = PDL and BLOCK_M == 1
+    if PDL and not PEEL:
+        tl.extra.cuda.gdc_wait()
+    if PEEL:
+        w, w_up = _load_weight_tile(w_ptrs, up_ptrs, ks, K, EVEN_K, GATED)
+        tl.extra.cuda.gdc_wait()
+        if K <= BLOCK_K:
+            tl.extra.cuda.gdc_launch_dependents()
+        x = _load_x_tile(x_ptrs, ks, K, row_mask, EVEN_K)
+        acc, acc_up = _accumulate(acc, acc_up, w, w_up, x, GATED, BLOCK_M, PRECISION, UPCAST_DOT)
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if PDL:
-        # The weights are read: let the next kernel's grid start (it waits for this whole grid
-        # in its gdc_wait). Not earlier: its waiting programs would hold SMs this grid's later
-        # waves need (r28: triggered at the start, 16 rows of the 1B products took 1.20x).
-        tl.extra.cuda.gdc_launch_dependents()
+    # Every K block here but a peeled first one.
+    for k in range(BLOCK_K if PEEL else 0, K, BLOCK_K):
+        w, w_up = _load_weight_tile(w_ptrs, up_ptrs, ks, K - k, EVEN_K, GATED)
+        x = _load_x_tile(x_ptrs, ks, K - k, row_mask, EVEN_K)
+        if PDL:
+            if k + BLOCK_K >= K:
+                # The last block's loads are out: let the next kernel's grid start (it waits
+                # for this whole grid in its gdc_wait). Every program of this grid has started
+                # by then, so a waiting dependent takes no SM this grid still needs (r28:
+                # released at each program's start, 16 rows of the 1B products took 1.20x).
+                tl.extra.cuda.gdc_launch_dependents()
+        acc, acc_up = _accumulate(acc, acc_up, w, w_up, x, GATED, BLOCK_M, PRECISION, UPCAST_DOT)
+        w_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     dtype = OUT.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(BIAS + safe_cols).to(tl.float32)[:, None]
@@ -162,7 +184,7 @@ def skinny_matmul_into(
     """out = x @ weight^T (+ bias) or, `gated`, silu(x @ gate^T) * (x @ up^T) for weight the
     packed [gate; up] (no bias). x [M, K] with M <= MAX_ROWS and unit stride on K, weight
     [N, K] contiguous, out [M, N] (N / 2 gated) with unit stride on N. `pdl`: 0 a plain launch,
-    1 a programmatic dependent launch, 2 that and the weights prefetched into L2 (CUDA only)."""
+    1 a programmatic dependent launch (CUDA only)."""
     rows, k = x.shape
     if not 0 < rows <= MAX_ROWS:
         raise ValueError(f"skinny_matmul_into takes 1 to {MAX_ROWS} rows, got {rows}")
@@ -173,12 +195,6 @@ def skinny_matmul_into(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert weight.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == (rows, n)
     assert not (gated and bias is not None)
-    prefetch_bytes = min(k, config.block_k * config.num_stages) * weight.element_size()
-    # A bulk prefetch moves whole 16-byte units from a 16-byte aligned address: a weight whose
-    # rows do not start on one, or a prefix that does not end on one, is launched as a
-    # dependent only.
-    row_stride = weight.stride(0) * weight.element_size()
-    prefetch = pdl > 1 and (weight.data_ptr() | row_stride | prefetch_bytes) % 16 == 0
     _skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
@@ -204,8 +220,6 @@ def skinny_matmul_into(
         # are the same products, exactly.
         UPCAST_DOT=x.device.type == "cpu",
         PDL=pdl > 0,
-        PREFETCH_L2=prefetch,
-        PREFETCH_K=min(k, config.block_k * config.num_stages),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl > 0,

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from srt.layers.attention.triton_ops import LOG2E, head_constexprs
 from srt.layers.attention.triton_ops.kv_block import attend_kv
+from srt.layers.triton_ops.dependent_launch import release_dependents, releases_dependents
 
 BLOCK_N = 64  # keys per inner step; every split is a multiple of it
 MAX_SPLITS = 16
@@ -95,7 +96,10 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LOAD_V_WITH_K: tl.constexpr,
+    RELEASE_DEPENDENTS: tl.constexpr,
 ):
+    # The output projection after it may start its weight loads (dependent_launch.py).
+    release_dependents(RELEASE_DEPENDENTS)
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + req)
     split_len = _split_len(seq_len, num_splits, min_split, BLOCK_N)
@@ -285,6 +289,7 @@ def decode_attention(
         BLOCK_G=triton.next_power_of_2(heads["GROUP"]),  # the merge's rows: no dot there
         BLOCK_N=BLOCK_N,
         LOAD_V_WITH_K=LOAD_V_WITH_K,
+        RELEASE_DEPENDENTS=releases_dependents(q),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
