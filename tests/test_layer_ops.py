@@ -530,7 +530,7 @@ def test_the_skinny_kernel_launched_as_a_dependent_gives_the_plain_launches_ids(
     """`--skinny-matmul-launch pdl` inside the decode step's CUDA graphs, after RMSNorm and
     attention kernels that release their dependents as they start: every launch of the kernel
     is a dependent one, and the ids are the plain launches' (each waits for the kernel before
-    it before it reads its input, so the bits are the same)."""
+    it, then reads its input, so the bits are the same)."""
     launch = "pdl"
     if torch.cuda.get_device_capability() < PDL_MIN_CAPABILITY:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
