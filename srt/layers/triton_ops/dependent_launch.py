@@ -5,8 +5,8 @@ A kernel launched as a programmatic dependent (the skinny matmul kernel under
 `launch_dependents` or ended, and waits in `gdc_wait` for that kernel's end before it reads
 what it wrote. The step's RMSNorm and decode attention kernels call it as they start: they fill
 one wave at a decode batch (1 to 16 programs, or a few hundred), so a dependent that starts
-beside them takes no SM they still need, and loads its first weight tile while they run. Before
-a kernel launched plainly, the call does nothing.
+beside them takes no SM they still need, and (at one row) loads its first weight tile while they
+run. Before a kernel launched plainly, the call does nothing.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def _decode_kernel(
     LOAD_V_WITH_K: tl.constexpr,
     RELEASE_DEPENDENTS: tl.constexpr,
 ):
-    # The output projection after it may start its weight loads (dependent_launch.py).
+    # The output projection after it, launched as a dependent, may start (dependent_launch.py).
     release_dependents(RELEASE_DEPENDENTS)
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + req)
