@@ -175,10 +175,10 @@ class ServerArgs:
     )
     skinny_matmul_launch: str = _opt(
         "plain",
-        "How the skinny matmul kernel launches: plain; or pdl, as a programmatic dependent of "
-        "the kernel before it (it starts while that kernel runs, at one row loads its first weight "
-        "tile, then waits before reading its input), which needs a CUDA GPU of compute "
-        "capability 9.0 or newer.",
+        "How the skinny matmul kernel launches: plain; or pdl, at one row as a programmatic "
+        "dependent of the kernel before it (it starts while that kernel runs, loads its first "
+        "weight tile, then waits before reading its input; more rows launch plainly), which "
+        "needs a CUDA GPU of compute capability 9.0 or newer.",
         choices=["plain", "pdl"],
     )
     compile_threads: int | None = _opt(

@@ -19,7 +19,11 @@ import torch.nn.functional as F
 import srt.layers.skinny_matmul_table as skinny_table
 from srt.layers.activation import silu_and_mul, silu_and_mul_kernel
 from srt.layers.layernorm import fused_add_rms_norm_kernel, rms_norm, rms_norm_kernel
-from srt.layers.linear import skinny_matmul_kernel, skinny_matmul_silu_and_mul_kernel
+from srt.layers.linear import (
+    linear_reference,
+    skinny_matmul_kernel,
+    skinny_matmul_silu_and_mul_kernel,
+)
 from srt.layers.rotary_embedding import RotaryEmbedding, rotary_kernel
 from srt.layers.skinny_matmul_table import BUCKETS, shape_key, table_path
 
@@ -141,4 +145,34 @@ def op_cases(dtype: torch.dtype, device: str) -> list[tuple[Callable, Callable, 
             lambda x, w, silu_kernel: silu_and_mul(F.linear(x, w)),
             (randn(1, 256), w96, False),
         ),
+        # The norms in the products (the input RMS-normalised, the residual added): 1 and 5
+        # rows (an input far from unit scale), then 20 (the norm kernel, cuBLAS's addmm).
+        (skinny_matmul_kernel, _fused_linear, (randn(1, 200), w70, None, 0, randn(1, 70), eps)),
+        (
+            skinny_matmul_kernel,
+            _fused_linear,
+            (randn(5, 200) * 7, w70, randn(70), 0, randn(5, 70), eps),
+        ),
+        (skinny_matmul_kernel, _fused_linear, (randn(20, 200), w70, None, 0, randn(20, 70))),
+        (skinny_matmul_kernel, _fused_linear, (randn(20, 200) * 7, w70, None, 0, None, eps)),
+        (skinny_matmul_silu_and_mul_kernel, _fused_gated, (randn(7, 256) * 7, w96, True, 0, eps)),
+        (skinny_matmul_silu_and_mul_kernel, _fused_gated, (randn(1, 256), w96, False, 0, eps)),
     ]
+
+
+def _fused_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    launch: int,
+    residual: torch.Tensor | None,
+    rms_eps: float | None = None,
+) -> torch.Tensor:
+    """The reference of `skinny_matmul_kernel` called with the norm and the residual."""
+    return linear_reference(x, w, bias, residual, rms_eps)
+
+
+def _fused_gated(
+    x: torch.Tensor, w: torch.Tensor, silu_kernel: bool, launch: int, rms_eps: float
+) -> torch.Tensor:
+    return silu_and_mul(linear_reference(x, w, None, rms_eps=rms_eps))

@@ -10,9 +10,11 @@ where the GPU rounds to nearest, so bf16 is compared within a few bf16 ulps, not
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from unittest import mock
 
 import pytest
 import torch
-from compile_helpers import greedy_ids, tc_engine
+from compile_helpers import PROMPTS, greedy_ids, tc_engine
 from layer_op_cases import (
     INTERPRETED,
     KERNEL_DEVICES,
@@ -33,6 +35,7 @@ from layer_op_cases import (
 from torch._prims_common import check_significant_strides
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import srt.model_executor.runner_setup as runner_setup
 from srt import Engine
 from srt.compilation.op_registry import inductor_trace
 from srt.layers.activation import SiluAndMul
@@ -40,6 +43,7 @@ from srt.layers.custom_op import apply_custom_ops
 from srt.layers.layernorm import RMSNorm, fused_add_rms_norm_kernel, rms_norm_kernel
 from srt.layers.linear import (
     Linear,
+    kernel_input,
     skinny_config,
     skinny_matmul_kernel,
     skinny_matmul_silu_and_mul_kernel,
@@ -235,6 +239,10 @@ def test_tc_piecewise_traces_the_selected_impl(
         # With the skinny kernel selected, the MLP's SiLU-and-mul is fused into its product.
         if "skinny_matmul_silu_and_mul" in traced:
             traced |= {"skinny_matmul", "silu_and_mul"}
+        # Where the norms are in the skinny products (and the trace runs the kernel), the
+        # residual add and the norm are in theirs.
+        if eng.runner.model.model.layers[0].norms_in_products and "skinny_matmul" in traced:
+            traced.add("fused_add_rms_norm")
         # The rotary kernel runs inside the attention op, with the KV write, where the graph
         # hands the op the rotary tables.
         if re.search(r"srt\.attention\.default\([^)]*cos_cache", graph):
@@ -290,12 +298,17 @@ def poisoned_run(op: Callable, args: tuple) -> list[torch.Tensor]:
 
     outs = [torch.full_like(t, float("nan")) for t in _leaves(op(*args))]
     if op in (skinny_matmul_kernel, skinny_matmul_silu_and_mul_kernel):
-        x, weight, third = args
+        call = inspect.signature(op.fn).bind(*args)
+        call.apply_defaults()
+        a = call.arguments
         gated = op is skinny_matmul_silu_and_mul_kernel
-        config = skinny_config(x, weight, gated)
+        config = skinny_config(a["x"], a["weight"], gated)
         if config is None:  # cuBLAS's rows: nothing of ours to poison
             return [op(*args)]
-        skinny_matmul_into(outs[0], x, weight, None if gated else third, config, gated)
+        x, rms_eps = kernel_input(a["x"], a["rms_eps"])
+        skinny_matmul_into(
+            outs[0], x, a["weight"], a.get("bias"), config, gated, 0, a.get("residual"), rms_eps
+        )
     elif op is rms_norm_kernel:
         rms_norm_into(outs[0], *args)
     elif op is fused_add_rms_norm_kernel:
@@ -318,7 +331,7 @@ def test_kernels_match_the_reference(device: str, dtype: torch.dtype) -> None:
             for op, _, args in cases
             if op in (skinny_matmul_kernel, skinny_matmul_silu_and_mul_kernel)
         ]
-        assert sum(c is not None for c in ran) == 5, ran  # all but the 20 rows ran the kernel
+        assert sum(c is not None for c in ran) == 9, ran  # all but the 20 rows ran the kernel
         _check_cases(cases, dtype)
 
 
@@ -473,6 +486,92 @@ def greedy_ids_kernels_on_and_off(path: Path, device: str, **options: Any) -> di
     return ids
 
 
+def with_random_norm_weights(path: Path, dest: Path) -> Path:
+    """A copy at `dest` of the one-file checkpoint at `path`, its RMSNorm weights drawn
+    around one: a trained model's are not ones, as a freshly initialised one's are, and a
+    norm's weight folded into the product after it changes that product's weight."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, dest)
+    weights = dest / "model.safetensors"
+    tensors = load_file(weights)
+    gen = torch.Generator().manual_seed(1)
+    for name, t in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = (1 + 0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return dest
+
+
+def greedy_ids_counting_norms(
+    path: Path, entries: list[str], checkpoint: dict[str, torch.Tensor]
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """Greedy ids of the model at `path` with `--custom-ops entries` where the runner is told
+    kernels can run on the CPU (under the interpreter), the skinny kernel chosen for every
+    product of up to 8 rows; with the rows of each norm kernel launch and of each forward (its
+    final norm's input). With the kernels on, the first layer's weights are checked folded."""
+    import srt.layers.triton_ops.rms_norm as norm_kernel
+
+    norms: list[int] = []
+    forwards: list[int] = []
+    launch_norm = norm_kernel.rms_norm_into
+
+    def counted_norm(*args: Any, **kwargs: Any) -> None:
+        norms.append(args[1].shape[0])
+        launch_norm(*args, **kwargs)
+
+    with (
+        mock.patch.object(runner_setup, "kernels_missing", lambda device_type: None),
+        mock.patch.object(norm_kernel, "rms_norm_into", counted_norm),
+        skinny_table_for("cpu", skinny_entries(model_products(path), ["float32"])),
+        Engine(model_path=str(path), device="cpu", dtype="float32", custom_ops=entries) as eng,
+    ):
+        layer = eng.runner.model.model.layers[0]
+        assert layer.norms_in_products == (entries == ["all"])
+        if layer.norms_in_products:
+            g = checkpoint["model.layers.0.input_layernorm.weight"]
+            q = checkpoint["model.layers.0.self_attn.q_proj.weight"]
+            assert torch.equal(layer.input_layernorm.weight, torch.ones_like(g))
+            torch.testing.assert_close(layer.self_attn.qkv_proj.weight[: q.shape[0]], q * g)
+        final = eng.runner.model.model.norm
+        final_forward = final.forward
+
+        def counted_forward(x: torch.Tensor, *args: Any) -> Any:
+            forwards.append(x.shape[0])
+            return final_forward(x, *args)
+
+        norms.clear()
+        with mock.patch.object(final, "forward", counted_forward):
+            # the prompts together, then the first alone (its decodes one row each)
+            ids = greedy_ids(eng) + greedy_ids(eng, PROMPTS[:1])
+        return ids, norms, forwards
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: QKV with a bias
+def test_the_norms_in_the_products_give_the_greedy_ids_of_the_layers(
+    arch: str, tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Where the skinny kernel runs, the decoder layers' norms go into the products after
+    them: the norms' weights folded into QKV's and gate/up's (the norms' then ones), the
+    residual added in o_proj's and down_proj's launch; at one row no norm kernel launches
+    but the final one's. The greedy ids are those of the layers with every kernel off."""
+    from safetensors.torch import load_file
+
+    path = with_random_norm_weights(tiny_model_factory(arch), tmp_path / "ckpt")
+    checkpoint = load_file(path / "model.safetensors")
+    reference, _, _ = greedy_ids_counting_norms(path, ["none"], checkpoint)
+    ids, norms, forwards = greedy_ids_counting_norms(path, ["all"], checkpoint)
+    assert ids == reference
+    # A forward of one row launches the final norm alone; one of more (the tensor cores'
+    # rows, cuBLAS's) the norm before each product too.
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    per_forward = {True: 1, False: 2 * layers + 1}
+    expected = [rows for rows in forwards for _ in range(per_forward[rows == 1])]
+    assert sorted(norms) == sorted(expected), (norms, forwards)
+    assert min(forwards) == 1 < max(forwards), forwards  # both kinds ran
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="needs triton and TRITON_INTERPRET=1")
 @pytest.mark.parametrize(("arch", "kwargs"), ARCHS, ids=[a for a, _ in ARCHS])
 def test_kernels_on_give_the_greedy_ids_of_the_reference(
@@ -516,9 +615,10 @@ def test_kernels_on_give_the_greedy_ids_of_the_reference_on_the_gpu(
     tiny_model_factory: Callable[..., Path],
     tmp_path: Path,
 ) -> None:
-    """The kernels inside CUDA graphs, the eager pieces and Inductor's graphs (as opaque ops)."""
-    path = tiny_model_factory(arch, **kwargs)
-    options = {"compile_cache_dir": str(tmp_path), **GPU_GRAPHS[graphs]}
+    """The kernels inside CUDA graphs, the eager pieces and Inductor's graphs (as opaque ops),
+    the norms in the skinny products (with weights that are not ones: folded in)."""
+    path = with_random_norm_weights(tiny_model_factory(arch, **kwargs), tmp_path / "ckpt")
+    options = {"compile_cache_dir": str(tmp_path / "cache"), **GPU_GRAPHS[graphs]}
     ids = greedy_ids_kernels_on_and_off(path, "cuda", **options)
     assert ids["all"] == ids["none"]
 
@@ -528,9 +628,10 @@ def test_the_skinny_kernel_launched_as_a_dependent_gives_the_plain_launches_ids(
     tiny_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     """`--skinny-matmul-launch pdl` inside the decode step's CUDA graphs, after RMSNorm and
-    attention kernels that release their dependents as they start: every launch of the kernel
-    is a dependent one, and the ids are the plain launches' (each waits for the kernel before
-    it, then reads its input, so the bits are the same)."""
+    attention kernels that release their dependents as they start: every one-row launch of
+    the kernel is a dependent one (more rows launch plainly), and the ids are the plain
+    launches' (each waits for the kernel before it, then reads its input, so the bits are the
+    same)."""
     launch = "pdl"
     if torch.cuda.get_device_capability() < PDL_MIN_CAPABILITY:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
@@ -540,13 +641,15 @@ def test_the_skinny_kernel_launched_as_a_dependent_gives_the_plain_launches_ids(
         ids[mode], launches = greedy_ids_under_a_skinny_table(
             path, "cuda", ["all"], skinny_matmul_launch=mode, compile_cache_dir=str(tmp_path)
         )
-        assert launches and {pdl for _, pdl in launches} == {SKINNY_LAUNCHES[mode]}, launches
+        assert {pdl for rows, pdl in launches if rows == 1} == {SKINNY_LAUNCHES[mode]}, launches
+        assert {pdl for rows, pdl in launches if rows > 1} == {0}, launches
     assert ids[launch] == ids["plain"]
 
 
 def test_a_dependent_launch_reaches_the_skinny_kernel_from_the_layer() -> None:
-    """The launch the runner gives the layers is what each product passes to the kernel, plain
-    and gated (the kernel itself is mocked: a dependent launch needs CUDA)."""
+    """The launch the runner gives the layers is what each product passes to the kernel at
+    one row, plain and gated; at more rows a plain launch (the kernel itself is mocked: a
+    dependent launch needs CUDA)."""
     import srt.layers.triton_ops.skinny_matmul as skinny
 
     layer = Linear(32, [48, 48])
@@ -559,8 +662,10 @@ def test_a_dependent_launch_reaches_the_skinny_kernel_from_the_layer() -> None:
         mock.patch.object(skinny, "skinny_matmul_into", lambda *a, **k: calls.append(k["pdl"])),
     ):
         layer(torch.randn(3, 32))
+        layer(torch.randn(1, 32))
         layer.silu_and_mul_of(torch.randn(1, 32), SiluAndMul())
-    assert calls == [1, 1]
+        layer.silu_and_mul_of(torch.randn(2, 32), SiluAndMul())
+    assert calls == [0, 1, 1, 0]
 
 
 def test_a_dependent_launch_is_refused_where_it_cannot_run() -> None:

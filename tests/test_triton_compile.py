@@ -224,12 +224,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from srt.layers.triton_ops.skinny_matmul import _skinny_matmul_kernel as kernel
-pointers = {name: "*bf16" for name in ("X", "W", "BIAS", "OUT")}
-scalars = {name: "i32" for name in ("M", "N", "stride_xm", "stride_wn", "stride_om", "up_offset")}
+pointers = {name: "*bf16" for name in ("X", "W", "BIAS", "RES", "OUT")}
+scalars = {name: "i32"
+           for name in ("M", "N", "stride_xm", "stride_wn", "stride_rm", "stride_om", "up_offset")}
+scalars["rms_eps"] = "fp32"
 for pdl in (0, 1):
     # one K block (the release after the wait), two (in the loop's last turn), and eight
     for rows, gated, block_k in ((1, True, 2048), (1, False, 1024), (16, False, 256)):
-        consts = dict(K=2048, HAS_BIAS=False, GATED=gated, EVEN_K=True, BLOCK_M=rows,
+        consts = dict(K=2048, HAS_BIAS=False, HAS_RESIDUAL=False, RMS_NORM=False, GATED=gated,
+                      EVEN_K=True, BLOCK_M=rows,
                       BLOCK_N=4 if rows == 1 else 32, BLOCK_K=block_k,
                       PRECISION="tf32", UPCAST_DOT=False, PDL=pdl > 0)
         signature = pointers | scalars | {name: "constexpr" for name in consts}
@@ -271,45 +274,55 @@ from triton.compiler import ASTSource
 from srt.layers.skinny_matmul_table import TUNED_DIR
 from srt.layers.triton_ops.skinny_matmul import MAX_ROWS, _skinny_matmul_kernel as kernel
 params = list(inspect.signature(kernel.fn).parameters)
-signature = {name: "*bf16" for name in ("X", "W", "BIAS", "OUT")}
-signature |= {name: "i32"
-              for name in ("M", "N", "stride_xm", "stride_wn", "stride_om", "up_offset")}
+signature = {name: "*bf16" for name in ("X", "W", "BIAS", "RES", "OUT")}
+signature |= {name: "i32" for name in
+              ("M", "N", "stride_xm", "stride_wn", "stride_rm", "stride_om", "up_offset")}
+signature["rms_eps"] = "fp32"
 # What a launch on the GPU is specialised on (pointers and strides divisible by 16): with it the
 # tensor-core path's loads go through shared memory, as they do there.
 attrs = {(params.index(name),): [["tt.divisibility", 16]]
-         for name in ("X", "W", "BIAS", "OUT", "N", "stride_xm", "stride_wn", "stride_om")}
+         for name in ("X", "W", "BIAS", "RES", "OUT", "N", "stride_xm", "stride_wn", "stride_rm",
+                      "stride_om")}
 launches = set()
 for table in sorted(TUNED_DIR.glob("skinny_matmul-*.json")):
     for key, buckets in json.loads(table.read_text())["shapes"].items():
         k = int(key.split()[1].split("x")[1])
         for rows, entry in buckets.items():
-            if rows != "1":  # the tensor-core path; one row stages nothing in shared memory
-                launches.add((k, key.endswith("gated"), *entry["config"]))
-for k, gated, block_n, block_k, warps, stages in sorted(launches):
+            if "config" in entry:  # one row (dot products), or the tensor cores' 2-16
+                launches.add((1 if rows == "1" else MAX_ROWS, k, key.endswith("gated"),
+                              *entry["config"]))
+for block_m, k, gated, block_n, block_k, warps, stages in sorted(launches):
     shared = []
-    for pdl in (False, True):
-        consts = dict(K=k, HAS_BIAS=False, GATED=gated, EVEN_K=k % block_k == 0, BLOCK_M=MAX_ROWS,
-                      BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32", UPCAST_DOT=False,
-                      PDL=pdl)
+    # plainly; as a dependent; and in the model's forms where the norms are in the products:
+    # the residual added (o_proj, down_proj) and, at one row, the input normalised (QKV,
+    # gate/up), plain and dependent
+    forms = [(False, False, False), (True, False, False)]
+    forms += [(pdl, False, True) for pdl in (False, True)] if not gated else []
+    forms += [(pdl, True, False) for pdl in (False, True)] if block_m == 1 else []
+    for pdl, rms_norm, residual in forms:
+        consts = dict(K=k, HAS_BIAS=False, HAS_RESIDUAL=residual, RMS_NORM=rms_norm, GATED=gated,
+                      EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n,
+                      BLOCK_K=block_k, PRECISION="tf32", UPCAST_DOT=False, PDL=pdl)
         compiled = triton.compile(
             ASTSource(kernel, signature | {name: "constexpr" for name in consts},
                       constexprs=consts, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
             options=dict(num_warps=warps, num_stages=stages, launch_pdl=pdl))
         shared.append(compiled.metadata.shared)
-    print(json.dumps([[k, gated, block_n, block_k, warps, stages], *shared]))
+    print(json.dumps([[block_m, k, gated, block_n, block_k, warps, stages], *shared]))
 """
 
 
-def test_a_dependent_launch_takes_the_shared_memory_of_the_plain_one() -> None:
-    """Every tensor-core launch the committed tables choose needs as much shared memory as a
-    dependent launch as it does plainly (the tables were tuned plainly, against the SM's
-    limit): r39's first form of the dependent launch took a stage more, and the LM head's
-    tile no longer fit an H100."""
+def test_no_form_of_a_launch_takes_more_shared_memory_than_the_plain_one() -> None:
+    """Every launch the committed tables choose compiles for sm_90 in each form the model
+    makes, and needs no more shared memory as a dependent launch, or with the residual add or
+    (at one row) the norm in it, than it does plainly (the tables were tuned plainly, against
+    the SM's limit): r39's first form of the dependent launch took a stage more, and the LM
+    head's tile no longer fit an H100."""
     pytest.importorskip("triton")
     rows = [json.loads(line) for line in run_python(_PDL_SHARED, interpret=False).splitlines()]
-    assert rows, "no tensor-core launch in the committed tables"
-    assert [r for r in rows if r[1] != r[2]] == []
+    assert {r[0][0] for r in rows} == {1, 16}, "no launch of each path in the committed tables"
+    assert [r for r in rows if max(r[2:]) > r[1]] == []
 
 
 _RELEASE_PTX = """

@@ -27,12 +27,13 @@ if TYPE_CHECKING:
     from torch._inductor.pattern_matcher import PatternMatcherPass
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reference RMSNorm: statistics in float32, result in the input dtype (as transformers)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Reference RMSNorm: statistics in float32, result in the input dtype (as transformers);
+    without a weight (one folded into the product after it), the normalised rows alone."""
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    return x32.to(dtype) if weight is None else weight * x32.to(dtype)
 
 
 def fused_add_rms_norm(

@@ -26,6 +26,7 @@ from srt.compilation.op_registry import register_custom_op
 from srt.distributed import Shard, all_reduce, even_shard, tp_size
 from srt.layers.activation import SiluAndMul, silu_and_mul, silu_and_mul_kernel
 from srt.layers.custom_op import CustomOp
+from srt.layers.layernorm import rms_norm
 from srt.layers.skinny_matmul_table import BUCKETS, SkinnyConfig, choose, table_fingerprint
 
 
@@ -68,30 +69,95 @@ def skinny_config(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> SkinnyC
     return choose(_device_name(x.device), dtype, *weight.shape, x.shape[0], gated)
 
 
+def normed(x: torch.Tensor, rms_eps: float | None) -> torch.Tensor:
+    """x's rows RMS-normalised without a weight (the norm's weight folded into the product
+    that reads them), by the norm kernel; x itself where `rms_eps` is None."""
+    if rms_eps is None:
+        return x
+    from srt.layers.triton_ops.rms_norm import rms_norm_into
+
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rms_norm_into(out, x, None, rms_eps)
+    return out
+
+
+def kernel_input(x: torch.Tensor, rms_eps: float | None) -> tuple[torch.Tensor, float | None]:
+    """(x, rms_eps) as the skinny kernel takes them: one row's norm in the product's launch;
+    more rows normalised by the norm kernel first (r40: the statistic in the tensor-core
+    path's loop cost the 1B products 0.10 ms a step at 8 and 16 rows, more than the norm's
+    launch)."""
+    if rms_eps is not None and x.shape[0] > 1:
+        return normed(x, rms_eps), None
+    return x, rms_eps
+
+
+def kernel_launch(x: torch.Tensor, launch: int) -> int:
+    """The launch (`--skinny-matmul-launch`, op_selection.SKINNY_LAUNCHES) the kernel gets
+    for x: a dependent launch at one row, plain at more (r40: dependent launches took 0.03-0.11
+    ms off a step at one row, and nothing or up to 0.04 ms more at 8 and 16)."""
+    return launch if x.shape[0] == 1 else 0
+
+
+def linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+    rms_eps: float | None = None,
+) -> torch.Tensor:
+    """What a product computes: `F.linear` of x (RMS-normalised without a weight first, with
+    `rms_eps`), plus `residual`. The PyTorch reference of every path."""
+    if rms_eps is not None:
+        x = rms_norm(x, None, rms_eps)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else y + residual
+
+
 def _skinny_matmul_fake(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: int = 0
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    launch: int = 0,
+    residual: torch.Tensor | None = None,
+    rms_eps: float | None = None,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @register_custom_op("skinny_matmul", mutates_args=(), fake_impl=_skinny_matmul_fake)
 def skinny_matmul_kernel(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: int = 0
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    launch: int = 0,
+    residual: torch.Tensor | None = None,
+    rms_eps: float | None = None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, by the skinny kernel where the table chose it, launched as
-    `launch` says (op_selection.SKINNY_LAUNCHES)."""
+    """`linear_reference(x, weight, bias, residual, rms_eps)`, by the skinny kernel where the
+    table chose it (the residual add, and one row's norm, in the product's launch), launched as
+    `launch` says (op_selection.SKINNY_LAUNCHES); elsewhere the norm kernel, then cuBLAS
+    with the residual add in its epilogue (one launch each, as the unfused layers make)."""
     config = skinny_config(x, weight, gated=False)
     if config is None:
-        return F.linear(x, weight, bias)
+        x = normed(x, rms_eps)
+        if residual is not None and bias is None and x.dim() == 2:
+            return torch.addmm(residual, x, weight.t())
+        return linear_reference(x, weight, bias, residual)
     from srt.layers.triton_ops.skinny_matmul import skinny_matmul_into
 
     out = x.new_empty((x.shape[0], weight.shape[0]))
-    skinny_matmul_into(out, x, weight, bias, config, pdl=launch)
+    x, rms_eps = kernel_input(x, rms_eps)
+    pdl = kernel_launch(x, launch)
+    skinny_matmul_into(out, x, weight, bias, config, pdl=pdl, residual=residual, rms_eps=rms_eps)
     return out
 
 
 def _skinny_matmul_silu_and_mul_fake(
-    x: torch.Tensor, weight: torch.Tensor, silu_kernel: bool, launch: int = 0
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    silu_kernel: bool,
+    launch: int = 0,
+    rms_eps: float | None = None,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
@@ -100,34 +166,47 @@ def _skinny_matmul_silu_and_mul_fake(
     "skinny_matmul_silu_and_mul", mutates_args=(), fake_impl=_skinny_matmul_silu_and_mul_fake
 )
 def skinny_matmul_silu_and_mul_kernel(
-    x: torch.Tensor, weight: torch.Tensor, silu_kernel: bool, launch: int = 0
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    silu_kernel: bool,
+    launch: int = 0,
+    rms_eps: float | None = None,
 ) -> torch.Tensor:
-    """`silu_and_mul(F.linear(x, weight))` for the packed [gate; up] weight, in one launch of
-    the skinny kernel where the table chose it; elsewhere cuBLAS, then the SiLU-and-mul kernel
-    (`silu_kernel`) or its reference."""
+    """`silu_and_mul(linear_reference(x, weight, None, rms_eps=rms_eps))` for the packed
+    [gate; up] weight, in one launch of the skinny kernel where the table chose it; elsewhere
+    the norm kernel (with `rms_eps`), cuBLAS, then the SiLU-and-mul kernel (`silu_kernel`)
+    or its reference."""
     config = skinny_config(x, weight, gated=True)
     if config is None:
-        gate_up = F.linear(x, weight)
+        gate_up = F.linear(normed(x, rms_eps), weight)
         return silu_and_mul_kernel(gate_up) if silu_kernel else silu_and_mul(gate_up)
     from srt.layers.triton_ops.skinny_matmul import skinny_matmul_into
 
     out = x.new_empty((x.shape[0], weight.shape[0] // 2))
-    skinny_matmul_into(out, x, weight, None, config, gated=True, pdl=launch)
+    x, rms_eps = kernel_input(x, rms_eps)
+    pdl = kernel_launch(x, launch)
+    skinny_matmul_into(out, x, weight, None, config, gated=True, pdl=pdl, rms_eps=rms_eps)
     return out
 
 
 def linear(
-    layer: CustomOp, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    layer: CustomOp,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+    rms_eps: float | None = None,
 ) -> torch.Tensor:
-    """`F.linear`, or the skinny op where `layer` runs the `skinny_matmul` kernel."""
+    """`linear_reference`, or the skinny op where `layer` runs the `skinny_matmul` kernel."""
     if layer.uses_kernel("skinny_matmul"):
-        return skinny_matmul_kernel(x, weight, bias, layer.skinny_launch)
-    return F.linear(x, weight, bias)
+        return skinny_matmul_kernel(x, weight, bias, layer.skinny_launch, residual, rms_eps)
+    return linear_reference(x, weight, bias, residual, rms_eps)
 
 
 def warm_skinny_matmuls(model: nn.Module) -> int:
     """Run once, on zeros, each skinny kernel launch the table chose for the products of
-    `model`'s layers, at every row bucket, so that their compiles happen now (before ready)
+    `model`'s layers, in the form the model calls each (with its bias, its folded norm, its
+    residual add), at every row bucket, so that their compiles happen now (before ready)
     and not in the first step of a bucket; the number of distinct launches."""
     done: set[tuple[object, ...]] = set()
     for layer in model.modules():
@@ -136,18 +215,23 @@ def warm_skinny_matmuls(model: nn.Module) -> int:
             continue
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             continue
+        bias = getattr(layer, "bias", None)
+        rms_eps = getattr(layer, "folded_norm_eps", None)
+        adds_residual = getattr(layer, "adds_residual", False)
         for gated in (False, True):
             for rows in BUCKETS:
                 x = weight.new_zeros((rows, weight.shape[1]))
                 config = skinny_config(x, weight, gated)
-                key = (tuple(weight.shape), weight.dtype, weight.device, gated, rows, config)
+                form = (bias is not None, rms_eps is not None, adds_residual)
+                key = (tuple(weight.shape), weight.dtype, weight.device, gated, rows, config, form)
                 if config is None or key in done:
                     continue
                 done.add(key)
                 if gated:
-                    skinny_matmul_silu_and_mul_kernel(x, weight, True, layer.skinny_launch)
+                    skinny_matmul_silu_and_mul_kernel(x, weight, True, layer.skinny_launch, rms_eps)
                 else:
-                    skinny_matmul_kernel(x, weight, None, layer.skinny_launch)
+                    residual = weight.new_zeros((rows, weight.shape[0])) if adds_residual else None
+                    skinny_matmul_kernel(x, weight, bias, layer.skinny_launch, residual, rms_eps)
     return len(done)
 
 
@@ -172,6 +256,12 @@ class Linear(CustomOp):
         self.out_shards = out_shards or [self.default_out_shard(size) for size in output_sizes]
         self.in_shard = in_shard or Shard(0, input_size)
         rows = sum(s.size for s in self.out_shards)
+        # Where the model puts its norms in its products (`LlamaForCausalLM`'s
+        # `put_norms_in_products`): the eps of the RMSNorm whose weight is folded into this
+        # product's (its input is normalised in the product), and whether the product adds
+        # the residual stream to its output. The skinny kernel's warm-up compiles these forms.
+        self.folded_norm_eps: float | None = None
+        self.adds_residual = False
         self.weight = nn.Parameter(torch.empty(rows, self.in_shard.size))
         self.bias = nn.Parameter(torch.empty(rows)) if bias else None
         for p in self.parameters():
@@ -194,17 +284,36 @@ class Linear(CustomOp):
         start = sum(s.size for s in self.out_shards[:shard])
         source.copy_to(param.data.narrow(0, start, out.size), index)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self, x, self.weight, self.bias)
+    def fused_args(
+        self, residual: torch.Tensor | None, normalise: bool
+    ) -> tuple[torch.Tensor | None, float | None]:
+        """(residual, rms_eps) for a call in one of this layer's declared forms; an error
+        for another (the warm-up would not have compiled it)."""
+        if residual is not None and not self.adds_residual:
+            raise ValueError("this product was not declared to add the residual stream")
+        if normalise and self.folded_norm_eps is None:
+            raise ValueError("this product has no norm folded into its weight")
+        return residual, self.folded_norm_eps if normalise else None
 
-    def silu_and_mul_of(self, x: torch.Tensor, act: SiluAndMul) -> torch.Tensor:
-        """`act(self(x))` for a packed [gate; up] layer: the activation fused into the
-        product where the skinny kernel runs it."""
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, normalise: bool = False
+    ) -> torch.Tensor:
+        """`x W^T (+ b)`; with `normalise`, of x RMS-normalised by the norm folded into the
+        weight; with `residual`, plus it."""
+        residual, rms_eps = self.fused_args(residual, normalise)
+        return linear(self, x, self.weight, self.bias, residual, rms_eps)
+
+    def silu_and_mul_of(
+        self, x: torch.Tensor, act: SiluAndMul, normalise: bool = False
+    ) -> torch.Tensor:
+        """`act(self(x, normalise=normalise))` for a packed [gate; up] layer: the activation
+        fused into the product where the skinny kernel runs it."""
         if self.bias is None and self.uses_kernel("skinny_matmul"):
+            _, rms_eps = self.fused_args(None, normalise)
             return skinny_matmul_silu_and_mul_kernel(
-                x, self.weight, act.uses_kernel("silu_and_mul"), self.skinny_launch
+                x, self.weight, act.uses_kernel("silu_and_mul"), self.skinny_launch, rms_eps
             )
-        return act(self(x))
+        return act(self(x, normalise=normalise))
 
 
 class ColumnParallelLinear(Linear):
@@ -222,8 +331,14 @@ class RowParallelLinear(Linear):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, [output_size], bias, in_shard=even_shard(input_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, normalise: bool = False
+    ) -> torch.Tensor:
+        residual, rms_eps = self.fused_args(residual, normalise)
         if tp_size() == 1:
-            return linear(self, x, self.weight, self.bias)
+            return linear(self, x, self.weight, self.bias, residual, rms_eps)
+        # Each rank normalises its columns of x by its own statistic: wrong, so never asked.
+        assert rms_eps is None, "a row-parallel product holds part of each row"
         y = all_reduce(linear(self, x, self.weight, None))
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if residual is None else y + residual

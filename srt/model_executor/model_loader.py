@@ -78,13 +78,16 @@ def fill_weights(
 ) -> int:
     """Fill the constructed model's parameters in place (`load_format` auto: from the
     checkpoint; dummy: random); the checkpoint bytes read. Its device temporaries are a
-    reader's cast of one staging buffer at most, so it fits beside a KV cache already sized."""
+    reader's cast of one staging buffer at most, so it fits beside a KV cache already sized.
+    The norms put in the products (`put_norms_in_products`) get their weights folded in."""
     if load_format == "dummy":
         init_dummy_weights(model, seed)
+        model.fold_norm_weights()
         return 0
     if load_format != "auto":
         raise ValueError(f"--load-format: unknown format {load_format!r}; use auto or dummy")
     bytes_read = load_weights(model, config.path, device)
+    model.fold_norm_weights()
     if device.type == "cuda":
         # Return the blocks of the load's temporaries (a cast's, on the readers' streams).
         torch.cuda.empty_cache()

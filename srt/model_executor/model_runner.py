@@ -55,6 +55,7 @@ from srt.model_executor.runner_setup import (
     init_cuda,
     kv_slots,
     open_compile_cache,
+    puts_norms_in_products,
     select_custom_ops,
 )
 from srt.model_executor.sampling import PendingResult, next_token_ids, step_result
@@ -192,6 +193,9 @@ class ModelRunner:
 
     def _construct_model(self) -> None:
         self.model = construct_model(self.config, self.device)
+        if puts_norms_in_products(self.args, self.device, self.tp.size):
+            self.model.put_norms_in_products()  # before the fill, which folds their weights
+            logger.info("the norms before QKV and gate/up run in those products")
 
     def _fill_weights(self) -> None:
         self.load_bytes = fill_weights(

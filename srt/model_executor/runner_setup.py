@@ -63,6 +63,14 @@ def select_custom_ops(
     return impls
 
 
+def puts_norms_in_products(args: ServerArgs, device: torch.device, tp_size: int) -> bool:
+    """Whether the decoder layers' norms go into the products after them: where the skinny
+    matmul kernel runs (`--custom-ops`, kernels on this device) on one GPU. Under tensor
+    parallelism the norms stay where the sequence-parallel pass finds them."""
+    impls = resolve_custom_ops(args.custom_ops, kernels_missing(device.type))
+    return tp_size == 1 and impls["skinny_matmul"].kernel
+
+
 def skinny_launch(launch: str, device: torch.device) -> int:
     """`--skinny-matmul-launch` as the kernel's `pdl`; ServerArgsError where the device cannot
     launch a programmatic dependent (griddepcontrol is Hopper's)."""

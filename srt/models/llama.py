@@ -32,8 +32,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul_of(x, self.act_fn))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of x; with `residual` (the norms in the products), x is the residual
+        stream: gate/up normalises it and down_proj adds it to its output."""
+        normalise = residual is not None
+        return self.down_proj(
+            self.gate_up_proj.silu_and_mul_of(x, self.act_fn, normalise), residual
+        )
 
 
 class LlamaAttention(nn.Module):
@@ -66,8 +71,13 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(heads.size, kv_heads.size, d, d**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Attention over hidden; with `residual` (the norms in the products), hidden is the
+        residual stream: QKV normalises it and o_proj adds it to its output."""
+        qkv = self.qkv_proj(hidden, normalise=residual is not None)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             # Qwen3 normalises each head before the rotation.
             t = q.shape[0]
@@ -77,7 +87,7 @@ class LlamaAttention(nn.Module):
         rope = self.rotary.rope_for_attention(positions)
         if rope is None:
             q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, rope))
+        return self.o_proj(self.attn(q, k, v, rope), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,10 +99,42 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norms_in_products = False
+
+    def put_norms_in_products(self) -> None:
+        """From here on, where the skinny kernel runs the products, the two norms go into the
+        products after them (`forward`); their weights are folded in once the weights are
+        filled (`fold_norm_weights`)."""
+        self.norms_in_products = True
+        self.self_attn.qkv_proj.folded_norm_eps = self.input_layernorm.eps
+        self.mlp.gate_up_proj.folded_norm_eps = self.post_attention_layernorm.eps
+        self.self_attn.o_proj.adds_residual = True
+        self.mlp.down_proj.adds_residual = True
+
+    @torch.no_grad()
+    def fold_norm_weights(self) -> None:
+        """Each norm's weight into the columns of the product after it, the norm's weight
+        then ones: `(norm(x) * g) W^T = norm(x) (W * g)^T`, the same model on every path (the
+        products that normalise their input, and the norm with a unit weight before a plain
+        product). Rounds W * g once, in the weights' dtype."""
+        for norm, product in (
+            (self.input_layernorm, self.self_attn.qkv_proj),
+            (self.post_attention_layernorm, self.mlp.gate_up_proj),
+        ):
+            product.weight.mul_(norm.weight)
+            norm.weight.fill_(1.0)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the next hidden, its residual). Where the norms are in the products and the skinny
+        kernel runs them, the residual stream is one tensor, `hidden` (`residual` stays None):
+        each norm's statistic is summed in the product after it, and the residual add is in
+        the epilogue of the product before it (o_proj's, down_proj's): no norm launches."""
+        if self.norms_in_products and self.self_attn.qkv_proj.uses_kernel("skinny_matmul"):
+            assert residual is None, "the residual stream is one tensor here"
+            hidden = self.self_attn(positions, hidden, residual=hidden)
+            return self.mlp(hidden, residual=hidden), None
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -121,6 +163,8 @@ class LlamaModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
+        if residual is None:  # the norms in the products: hidden is the residual stream
+            return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -147,6 +191,24 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    def put_norms_in_products(self) -> None:
+        """The norms before QKV and gate/up go into those products where the skinny kernel
+        runs them (`LlamaDecoderLayer.forward`). Before any trace (the graph's shape) and
+        before the weights are filled (`fold_norm_weights`, which `fill_weights` calls). The
+        final norm stays: a tied LM head's weight is the embedding's too."""
+        for layer in self.decoder_layers():
+            layer.put_norms_in_products()
+
+    def fold_norm_weights(self) -> None:
+        """After the weights are filled: the norms' weights into the products after them,
+        where `put_norms_in_products` put the norms there; else nothing."""
+        for layer in self.decoder_layers():
+            if layer.norms_in_products:
+                layer.fold_norm_weights()
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        return [m for m in self.model.layers if isinstance(m, LlamaDecoderLayer)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

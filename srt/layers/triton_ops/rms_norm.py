@@ -23,6 +23,7 @@ def _rms_norm_kernel(
     n_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
     RELEASE_DEPENDENTS: tl.constexpr,
 ):
@@ -47,8 +48,9 @@ def _rms_norm_kernel(
     else:
         norm_dtype = X.dtype.element_ty
     normed = (x * tl.rsqrt(variance + eps)).to(norm_dtype).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + row * n_cols + cols, (normed * w).to(OUT.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        normed *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + row * n_cols + cols, normed.to(OUT.dtype.element_ty), mask=mask)
 
 
 def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -70,12 +72,13 @@ def _launch_config(n_cols: int) -> tuple[int, int]:
 def rms_norm_into(
     out: torch.Tensor,
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
 ) -> None:
-    """out = rms_norm(x [+ residual]) and, with a residual, residual_out = x + residual.
+    """out = rms_norm(x [+ residual]) (times `weight` unless None) and, with a residual,
+    residual_out = x + residual.
     `out` and `residual_out` are contiguous, of x's shape; x is 2-D or [T, H, D] with unit
     stride on D; a residual is 2-D like x."""
     x, num_heads, stride_token, stride_head = _as_rows(x)
@@ -89,7 +92,7 @@ def rms_norm_into(
     block, num_warps = _launch_config(n_cols)
     _rms_norm_kernel[(rows,)](
         x,
-        weight,
+        weight if weight is not None else x,
         out,
         residual if residual is not None else x,
         residual_out if residual_out is not None else out,
@@ -100,6 +103,7 @@ def rms_norm_into(
         n_cols,
         eps,
         HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None,
         BLOCK=block,
         RELEASE_DEPENDENTS=releases_dependents(x),
         num_warps=num_warps,

@@ -13,6 +13,12 @@ computes columns j of the gate and j of the up half together and writes silu(gat
 rounded as the unfused reference rounds (the product in the activation dtype, then the
 activation), so the fused and the unfused paths differ only in the sums' order.
 
+`RMS_NORM` (one row) normalises x before the product, where the norm's weight was folded
+into the product's weight: each program sums the squares of the activation tiles it loads
+for the product and scales its sums by the row's rsqrt after the loop, so the norm costs no
+launch and no read of its own. `HAS_RESIDUAL` adds the residual stream to the output in the
+epilogue (o_proj's and down_proj's), which the norm kernel did before.
+
 The weights are loaded with `evict_first`: they are read once per step and should not push
 the activations out of L2.
 
@@ -21,7 +27,7 @@ programs may start while that kernel still runs (the step's RMSNorm and decode a
 kernels release their dependents as they start, `dependent_launch.py`), at one row load their
 first weight tile (the weights are no kernel's output), and wait in `gdc_wait` before they
 read the activation; each program releases the next grid as it reaches its last K block. Off
-by default (`--skinny-matmul-launch`).
+by default (`--skinny-matmul-launch`); the op asks for it at one row only.
 """
 
 from __future__ import annotations
@@ -62,14 +68,24 @@ def _load_x_tile(x_ptrs, ks, k_left, row_mask, EVEN_K: tl.constexpr):
 def _accumulate(
     acc,
     acc_up,
+    squares,
     w,
     w_up,
     x,
     GATED: tl.constexpr,
+    RMS_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
+    if RMS_NORM:
+        # The row's squares, summed after the loop for the norm's scale: the tile is loaded
+        # for the product anyway, so the statistic costs a multiply-add per element. Summed
+        # across the threads once, after the loop, not per K block (r40: with a reduction
+        # per block, which synchronises the threads in the loop, the 8B products took 0.23
+        # ms more a step).
+        x32 = x.to(tl.float32)
+        squares += x32 * x32
     if BLOCK_M == 1:
         # [BLOCK_N, BLOCK_K] * [1, BLOCK_K], summed over K: one row needs no MMA.
         x_row = tl.trans(x).to(tl.float32)
@@ -84,7 +100,7 @@ def _accumulate(
         acc += tl.dot(w, x, input_precision=PRECISION)
         if GATED:
             acc_up += tl.dot(w_up, x, input_precision=PRECISION)
-    return acc, acc_up
+    return acc, acc_up, squares
 
 
 # One compile for every row count above 1 (Triton would specialise 16 apart from 2 to 15).
@@ -93,15 +109,20 @@ def _skinny_matmul_kernel(
     X,
     W,
     BIAS,
+    RES,
     OUT,
     M,
     N,
     K: tl.constexpr,  # a model has a few; and Triton's interpreter cannot loop to a runtime bound
     stride_xm,
     stride_wn,
+    stride_rm,
     stride_om,
     up_offset,  # GATED: weight rows from a gate row to its up row
+    rms_eps,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    RMS_NORM: tl.constexpr,
     GATED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -123,6 +144,10 @@ def _skinny_matmul_kernel(
     x_ptrs = X + rows[None, :] * stride_xm + ks[:, None]  # x^T: [BLOCK_K, BLOCK_M]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # The norm's statistic at one row only: the op normalises more rows with the norm kernel
+    # first (`linear.kernel_input`).
+    tl.static_assert(not RMS_NORM or BLOCK_M == 1)
+    squares = tl.zeros((BLOCK_K, BLOCK_M) if RMS_NORM else (1, 1), dtype=tl.float32)
     # Launched as a programmatic dependent, this grid may run while the kernel before it does.
     # Nothing a kernel before wrote (the activation) is read, nor anything written, before
     # gdc_wait. The weights are no kernel's output: at one row the first K block's tile loads
@@ -138,7 +163,9 @@ def _skinny_matmul_kernel(
         if K <= BLOCK_K:
             tl.extra.cuda.gdc_launch_dependents()
         x = _load_x_tile(x_ptrs, ks, K, row_mask, EVEN_K)
-        acc, acc_up = _accumulate(acc, acc_up, w, w_up, x, GATED, BLOCK_M, PRECISION, UPCAST_DOT)
+        acc, acc_up, squares = _accumulate(
+            acc, acc_up, squares, w, w_up, x, GATED, RMS_NORM, BLOCK_M, PRECISION, UPCAST_DOT
+        )
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -153,11 +180,20 @@ def _skinny_matmul_kernel(
                 # by then, so a waiting dependent takes no SM this grid still needs (r28:
                 # released at each program's start, 16 rows of the 1B products took 1.20x).
                 tl.extra.cuda.gdc_launch_dependents()
-        acc, acc_up = _accumulate(acc, acc_up, w, w_up, x, GATED, BLOCK_M, PRECISION, UPCAST_DOT)
+        acc, acc_up, squares = _accumulate(
+            acc, acc_up, squares, w, w_up, x, GATED, RMS_NORM, BLOCK_M, PRECISION, UPCAST_DOT
+        )
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     dtype = OUT.dtype.element_ty
+    if RMS_NORM:
+        # The product of the normalised rows is the product of the rows, scaled: the norm's
+        # weight is folded into this product's weight (LlamaForCausalLM.fold_norm_weights).
+        scale = tl.rsqrt(tl.sum(squares, axis=0, keep_dims=True) / K + rms_eps)
+        acc *= scale
+        if GATED:
+            acc_up *= scale
     if HAS_BIAS:
         acc += tl.load(BIAS + safe_cols).to(tl.float32)[:, None]
     if GATED:
@@ -168,8 +204,14 @@ def _skinny_matmul_kernel(
         result = (act * up).to(dtype)
     else:
         result = acc.to(dtype)
+    out_mask = row_mask[None, :] & col_mask[:, None]
+    if HAS_RESIDUAL:
+        # The residual add after the product, rounded as the unfused add is (the product in
+        # the output dtype, then the sum).
+        residual = tl.load(RES + rows[None, :] * stride_rm + cols[:, None], mask=out_mask)
+        result = (result.to(tl.float32) + residual.to(tl.float32)).to(dtype)
     out_ptrs = OUT + rows[None, :] * stride_om + cols[:, None]
-    tl.store(out_ptrs, result, mask=row_mask[None, :] & col_mask[:, None])
+    tl.store(out_ptrs, result, mask=out_mask)
 
 
 def skinny_matmul_into(
@@ -180,11 +222,15 @@ def skinny_matmul_into(
     config: SkinnyConfig,
     gated: bool = False,
     pdl: int = 0,
+    residual: torch.Tensor | None = None,
+    rms_eps: float | None = None,
 ) -> None:
     """out = x @ weight^T (+ bias) or, `gated`, silu(x @ gate^T) * (x @ up^T) for weight the
-    packed [gate; up] (no bias). x [M, K] with M <= MAX_ROWS and unit stride on K, weight
-    [N, K] contiguous, out [M, N] (N / 2 gated) with unit stride on N. `pdl`: 0 a plain launch,
-    1 a programmatic dependent launch (CUDA only)."""
+    packed [gate; up] (no bias). With `rms_eps` (one row), x is RMS-normalised first (no norm
+    weight: a norm's weight is folded into `weight`); with `residual` (not gated), it is added
+    to the result. x [M, K] with M <= MAX_ROWS and unit stride on K, weight [N, K] contiguous,
+    out and residual [M, N] (N / 2 gated) with unit stride on N. `pdl`: 0 a plain launch, 1 a
+    programmatic dependent launch (CUDA only)."""
     rows, k = x.shape
     if not 0 < rows <= MAX_ROWS:
         raise ValueError(f"skinny_matmul_into takes 1 to {MAX_ROWS} rows, got {rows}")
@@ -194,20 +240,30 @@ def skinny_matmul_into(
         x = x.contiguous()
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert weight.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == (rows, n)
-    assert not (gated and bias is not None)
+    assert not (gated and (bias is not None or residual is not None))
+    if rms_eps is not None and rows > 1:
+        raise ValueError("skinny_matmul_into normalises one row; norm more first (kernel_input)")
+    if residual is not None:
+        assert residual.shape == out.shape
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     _skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
         bias if bias is not None else weight,
+        residual if residual is not None else out,
         out,
         rows,
         n,
         k,
         x.stride(0),
         weight.stride(0),
+        residual.stride(0) if residual is not None else 0,
         out.stride(0),
         n if gated else 0,
+        rms_eps if rms_eps is not None else 0.0,
         HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
+        RMS_NORM=rms_eps is not None,
         GATED=gated,
         EVEN_K=k % config.block_k == 0,
         BLOCK_M=1 if rows == 1 else MAX_ROWS,
