@@ -82,15 +82,15 @@ def fill_weights(
     The norms put in the products (`put_norms_in_products`) get their weights folded in."""
     if load_format == "dummy":
         init_dummy_weights(model, seed)
-        model.fold_norm_weights()
-        return 0
-    if load_format != "auto":
+        bytes_read = 0
+    elif load_format == "auto":
+        bytes_read = load_weights(model, config.path, device)
+        if device.type == "cuda":
+            # Return the blocks of the load's temporaries (a cast's, on the readers' streams).
+            torch.cuda.empty_cache()
+    else:
         raise ValueError(f"--load-format: unknown format {load_format!r}; use auto or dummy")
-    bytes_read = load_weights(model, config.path, device)
     model.fold_norm_weights()
-    if device.type == "cuda":
-        # Return the blocks of the load's temporaries (a cast's, on the readers' streams).
-        torch.cuda.empty_cache()
     return bytes_read
 
 

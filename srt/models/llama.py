@@ -99,13 +99,15 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.norms_in_products = False
+
+    @property
+    def norms_in_products(self) -> bool:
+        return self.self_attn.qkv_proj.folded_norm_eps is not None
 
     def put_norms_in_products(self) -> None:
         """From here on, where the skinny kernel runs the products, the two norms go into the
         products after them (`forward`); their weights are folded in once the weights are
         filled (`fold_norm_weights`)."""
-        self.norms_in_products = True
         self.self_attn.qkv_proj.folded_norm_eps = self.input_layernorm.eps
         self.mlp.gate_up_proj.folded_norm_eps = self.post_attention_layernorm.eps
         self.self_attn.o_proj.adds_residual = True
@@ -129,8 +131,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the next hidden, its residual). Where the norms are in the products and the skinny
         kernel runs them, the residual stream is one tensor, `hidden` (`residual` stays None):
-        each norm's statistic is summed in the product after it, and the residual add is in
-        the epilogue of the product before it (o_proj's, down_proj's): no norm launches."""
+        each norm is in the product after it (at one row no norm kernel launches), and the
+        residual add is in the epilogue of the product before it (o_proj's, down_proj's)."""
         if self.norms_in_products and self.self_attn.qkv_proj.uses_kernel("skinny_matmul"):
             assert residual is None, "the residual stream is one tensor here"
             hidden = self.self_attn(positions, hidden, residual=hidden)
