@@ -255,7 +255,8 @@ def test_the_disk_cache_entries_are_the_kernels_triton_saved(
 ) -> None:
     """A start compiles ahead only while Triton's disk cache holds no kernel (a warm start's
     launches load theirs): a directory with Triton's group file per kernel; a missing cache,
-    a stray file and a C module Triton built there (its driver's utilities) count none."""
+    a stray file and a C module Triton built there (its driver's utilities, made on a thread
+    before the runner asks) count none."""
     from srt.compilation.triton_workers import disk_cache_entries
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
@@ -318,18 +319,44 @@ def test_compile_workers_start_on_a_first_start_on_cuda_only(
 
 
 def test_triton_is_hashed_on_a_thread_before_the_first_launch() -> None:
-    """`start_hashing_triton` leaves Triton's key of its own code cached for the process, as
-    a kernel's first launch would compute it (a fresh process: nothing hashed it before)."""
+    """`start_triton_setup` leaves Triton's key of its own code cached for the process, as
+    a kernel's first launch would compute it (a fresh process: nothing hashed it before).
+    Without a GPU no driver is active: its future holds the error, which the runner logs."""
     out = run_python(
         "import sys\n"
-        "from srt.compilation.triton_ahead import start_hashing_triton\n"
+        "from srt.compilation.triton_ahead import start_triton_setup\n"
         "assert 'triton' not in sys.modules\n"
-        "start_hashing_triton().result(timeout=120)\n"
+        "setup = start_triton_setup()\n"
+        "setup.hashed.result(timeout=120)\n"
         "from triton.runtime.cache import triton_key\n"
         "import triton\n"
         "info = triton_key.cache_info()\n"
         "key = triton_key()\n"
-        "print(info.currsize, triton_key.cache_info().hits, key.startswith(triton.__version__))",
+        "error = setup.driver.exception(timeout=120)\n"
+        "print(info.currsize, triton_key.cache_info().hits, key.startswith(triton.__version__),\n"
+        "      'active drivers' in str(error))",
         interpret=False,
     )
-    assert out.split() == ["1", "1", "True"], out
+    assert out.split() == ["1", "1", "True", "True"], out
+
+
+def test_triton_driver_is_made_on_its_own_thread() -> None:
+    """The driver is made once, on the setup's driver thread (on a first start its C
+    utilities compile there, beside the hash), and is the one launches then find active."""
+    out = run_python(
+        "import sys, threading\n"
+        "import triton.runtime.driver\n"
+        "runtime_driver = sys.modules['triton.runtime.driver']  # the module, not its `driver`\n"
+        "made = []\n"
+        "class Driver:\n"
+        "    def __init__(self):\n"
+        "        made.append(threading.current_thread().name)\n"
+        "runtime_driver._create_driver = Driver\n"
+        "from srt.compilation.triton_ahead import start_triton_setup\n"
+        "setup = start_triton_setup()\n"
+        "setup.driver.result(timeout=120)\n"
+        "setup.hashed.result(timeout=120)\n"
+        "print(made, type(runtime_driver.driver.active).__name__)",
+        interpret=False,
+    )
+    assert out.split() == ["['triton-driver']", "Driver"], out

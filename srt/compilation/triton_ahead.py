@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -138,23 +138,63 @@ def _compile(fn: Any, spec: str, load: bool, workers: CompileWorkers | None) -> 
     return _Compiled(fn, copy.device_caches, worker_s, done_at - start, done_at)
 
 
-def start_hashing_triton() -> Future[None]:
-    """Import Triton and hash its own code on a thread (`triton_key`: its files and its 0.5 GB
-    library, 0.3-0.4 s; cached for the process), which the first launch of every kernel on a
-    start needs, to find the kernel in the disk cache: a warm start's warm-up paid it on its
-    critical path. Start it where the host waits on the device or the disk (hashing releases
-    the GIL), and wait for it (`result()`) before anything else imports Triton: two threads
-    importing one package can deadlock."""
-    pool = ThreadPoolExecutor(1, "triton-key")
+@dataclasses.dataclass
+class TritonSetup:
+    """What a start's first Triton launch would otherwise do on its critical path, begun on
+    threads (`start_triton_setup`)."""
 
-    def hash_triton() -> None:
-        from triton.runtime.cache import triton_key
+    # Triton imported and its key of its own code computed: wait for it (`result()`) before
+    # anything else imports Triton (two threads importing one package can deadlock).
+    hashed: Future[None]
+    # Its CUDA driver made: wait for it before the first launch, which would make another.
+    driver: Future[None]
 
+
+def _run_into(future: Future[None], work: Callable[[], None]) -> None:
+    try:
+        work()
+    except BaseException as e:  # the waiter sees it
+        future.set_exception(e)
+    else:
+        future.set_result(None)
+
+
+def start_triton_setup() -> TritonSetup:
+    """Begin on threads what the first launch of any kernel on a start needs, once per process,
+    where the host waits on the device or the disk (both release the GIL):
+    - Triton's key of its own code (`triton_key`: a hash of its files and its 0.5 GB library,
+      0.3-0.4 s), to find a kernel in the disk cache; a warm start's warm-up paid it on its
+      critical path;
+    - its active CUDA driver, which on a first start (an empty Triton cache) compiles the
+      driver's C utilities with gcc (`cuda_utils`: 0.25-0.35 s on a 2-core CPU) after an
+      `ldconfig -p`: the first start's first launch, inside the compile-ahead block and
+      before it handed out any compile, paid it there.
+    One thread imports Triton; then the hash and the driver run side by side (one reads and
+    hashes files, the other waits on gcc)."""
+    hashed: Future[None] = Future()
+    driver: Future[None] = Future()
+
+    def make_driver() -> None:
+        from triton.runtime.driver import driver as triton_driver
+
+        triton_driver.active  # noqa: B018 (the property makes it)
+
+    def import_and_hash() -> None:
+        try:
+            from triton.runtime.cache import triton_key
+        except BaseException as e:  # no Triton: no driver either
+            driver.set_exception(e)
+            raise
+        # After the import: never two threads importing Triton.
+        threading.Thread(
+            target=_run_into, args=(driver, make_driver), name="triton-driver", daemon=True
+        ).start()
         triton_key()
 
-    future = pool.submit(hash_triton)
-    pool.shutdown(wait=False)
-    return future
+    threading.Thread(
+        target=_run_into, args=(hashed, import_and_hash), name="triton-key", daemon=True
+    ).start()
+    return TritonSetup(hashed, driver)
 
 
 def _pool(device: torch.device, threads: int) -> ThreadPoolExecutor:

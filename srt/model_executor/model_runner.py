@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from srt.batch_layout import ForwardMode
 from srt.compilation.cache_root import default_cache_root, open_cache_root, point_tool_caches
 from srt.compilation.compile_info import CompileInfo
 from srt.compilation.op_registry import split_ops
-from srt.compilation.triton_ahead import AheadBlock, start_hashing_triton
+from srt.compilation.triton_ahead import AheadBlock, start_triton_setup
 from srt.compilation.triton_workers import CompileWorkers, disk_cache_entries
 from srt.distributed import (
     broadcast_object,
@@ -67,6 +68,15 @@ from srt.tp_rank import TPRank
 logger = logging.getLogger(__name__)
 
 
+def _wait_for(setup: Future[None], what: str) -> None:
+    """A step of `start_triton_setup` done; if it failed, the first launch does it again (and
+    raises there, where the cause belongs)."""
+    try:
+        setup.result()
+    except Exception as e:
+        logger.warning("%s ahead failed: %s: %s", what, type(e).__name__, e)
+
+
 def timed(step: Callable[[], object]) -> float:
     """Run `step`; the seconds it took (the startup breakdown's parts)."""
     start = time.perf_counter()
@@ -102,11 +112,11 @@ class ModelRunner:
             # Its import (a second) on a thread, beside the device's start and the weight
             # load, which spend their time outside the interpreter; waited for after the load.
             flashinfer_support.start_import()
-        # Triton's key beside the device's start and the load (FlashInfer's thread imports
-        # Triton itself: not two threads importing it at once).
-        hashing_triton = None
+        # Triton's key and driver beside the device's start and the load (FlashInfer's thread
+        # imports Triton itself: not two threads importing it at once).
+        triton_setup = None
         if self.device.type == "cuda" and self.attention_backend_name != "flashinfer":
-            hashing_triton = start_hashing_triton()
+            triton_setup = start_triton_setup()
         self.device_init_s = timed(self._init_device)
         init_tp(self.tp, self.device)  # before the model: its layers take their shards
         # The heads this rank holds: its attention backend and KV cache see only those.
@@ -133,11 +143,8 @@ class ModelRunner:
         if self.attention_backend_name == "flashinfer":
             # Before anything else imports: the custom ops' kernels import Triton, as may it.
             flashinfer_support.module()
-        if hashing_triton is not None:
-            try:
-                hashing_triton.result()
-            except Exception as e:  # the first launch hashes it instead
-                logger.warning("hashing Triton's code ahead failed: %s: %s", type(e).__name__, e)
+        if triton_setup is not None:
+            _wait_for(triton_setup.hashed, "hashing Triton's code")
         self.custom_ops_s = timed(self._select_custom_ops)  # with the kernels' import of triton
         self.kv_alloc_s = timed(self._allocate_kv)
         self.attn_backend = attn_cls(
@@ -149,6 +156,9 @@ class ModelRunner:
             self.kv_cache.nbytes / 2**20,
             self.attention_backend_name,
         )
+        if triton_setup is not None:
+            # Before the graphs (an Inductor compile benchmarks Triton kernels) and the block.
+            _wait_for(triton_setup.driver, "making Triton's driver")
         self._build_graphs()
         install_hooks()  # FlashInfer's module builds in the warm-up and captures, timed
         self.compile_ahead: CompileAheadInfo | None = None  # the warm-up's, if it runs
