@@ -19,8 +19,8 @@
 #   runner-SHAPE         one_batch for disabled, full, full-cublas (the skinny kernel off),
 #                        full --enable-torch-compile, full with flashinfer attention
 #                        (full-flashinfer, not in the default list), full with the
-#                        skinny kernel launched as a programmatic dependent (full-pdl,
-#                        not in the default list either), full over
+#                        skinny kernel's launch forced (full-pdl, full-plain: the
+#                        default, auto, is pdl on sm_90; not in the default list either), full over
 #                        Inductor pieces, breakable, tc_piecewise eager and inductor, full
 #                        with prefill captured too; hf_baseline (floor, cuBLAS chain, HF);
 #                        not in the default list: the partition mode under tc_piecewise
@@ -202,6 +202,7 @@ runner() {  # the decode paths of srt and the alternatives on one shape
     [prefill-full]="--cuda-graph-backend-decode full --cuda-graph-backend-prefill full"
     [full-flashinfer]="--cuda-graph-backend-decode full --attention-backend flashinfer"
     [full-pdl]="--cuda-graph-backend-decode full --skinny-matmul-launch pdl"
+    [full-plain]="--cuda-graph-backend-decode full --skinny-matmul-launch plain"
   )
   local config method
   for config in $configs; do

@@ -174,12 +174,13 @@ class ServerArgs:
         "reference inside graphs Inductor compiles (docs/compilation.md lists the ops).",
     )
     skinny_matmul_launch: str = _opt(
-        "plain",
-        "How the skinny matmul kernel launches: plain; or pdl, at one row as a programmatic "
-        "dependent of the kernel before it (it starts while that kernel runs, loads its first "
-        "weight tile, then waits before reading its input; more rows launch plainly), which "
-        "needs a CUDA GPU of compute capability 9.0 or newer.",
-        choices=["plain", "pdl"],
+        "auto",
+        "How the skinny matmul kernel launches: pdl, at one row as a programmatic dependent of "
+        "the kernel before it (it starts while that kernel runs, loads its first weight tile, "
+        "then waits before reading its input; more rows launch plainly), which needs a CUDA GPU "
+        "of compute capability 9.0 or newer; plain; or auto, pdl where the GPU can and plain "
+        "elsewhere.",
+        choices=["auto", "plain", "pdl"],
     )
     compile_threads: int | None = _opt(
         None,
@@ -301,12 +302,12 @@ class ServerArgs:
         except ValueError as e:
             raise ServerArgsError("custom_ops", str(e)) from None
         launch = self.skinny_matmul_launch
-        if launch not in SKINNY_LAUNCHES:
+        if launch not in ("auto", *SKINNY_LAUNCHES):
             raise ServerArgsError(
                 "skinny_matmul_launch",
-                f"invalid choice: {launch!r} (choose from {', '.join(SKINNY_LAUNCHES)})",
+                f"invalid choice: {launch!r} (choose from auto, {', '.join(SKINNY_LAUNCHES)})",
             )
-        if launch != "plain" and self.device == "cpu":
+        if launch == "pdl" and self.device == "cpu":
             raise ServerArgsError("skinny_matmul_launch", f"{launch} needs CUDA, not the CPU")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ServerArgsError("device", f"must be cpu, cuda or auto, got {self.device!r}")

@@ -53,7 +53,6 @@ from srt.model_executor.runner_setup import skinny_launch
 from srt.op_selection import (
     OPS,
     PDL_MIN_CAPABILITY,
-    SKINNY_LAUNCHES,
     OpImpl,
     asks_for_kernels,
     parse_custom_ops,
@@ -631,19 +630,18 @@ def test_the_skinny_kernel_launched_as_a_dependent_gives_the_plain_launches_ids(
     attention kernels that release their dependents as they start: every one-row launch of
     the kernel is a dependent one (more rows launch plainly), and the ids are the plain
     launches' (each waits for the kernel before it, then reads its input, so the bits are the
-    same)."""
-    launch = "pdl"
+    same). The default, `auto`, is `pdl` on this GPU."""
     if torch.cuda.get_device_capability() < PDL_MIN_CAPABILITY:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     path = tiny_model_factory("llama", rope_scaling="llama3")
     ids = {}
-    for mode in ("plain", launch):
+    for mode, pdl in (("plain", 0), ("pdl", 1), ("auto", 1)):
         ids[mode], launches = greedy_ids_under_a_skinny_table(
             path, "cuda", ["all"], skinny_matmul_launch=mode, compile_cache_dir=str(tmp_path)
         )
-        assert {pdl for rows, pdl in launches if rows == 1} == {SKINNY_LAUNCHES[mode]}, launches
-        assert {pdl for rows, pdl in launches if rows > 1} == {0}, launches
-    assert ids[launch] == ids["plain"]
+        assert {pdl for rows, pdl in launches if rows == 1} == {pdl}, (mode, launches)
+        assert {pdl for rows, pdl in launches if rows > 1} == {0}, (mode, launches)
+    assert ids["pdl"] == ids["plain"] == ids["auto"]
 
 
 def test_a_dependent_launch_reaches_the_skinny_kernel_from_the_layer() -> None:
@@ -675,7 +673,11 @@ def test_a_dependent_launch_is_refused_where_it_cannot_run() -> None:
         ServerArgs(skinny_matmul_launch="fast").check()
     with pytest.raises(ServerArgsError, match="compute capability 9.0 or newer, not cpu"):
         skinny_launch("pdl", torch.device("cpu"))
-    assert skinny_launch("plain", torch.device("cpu")) == 0
+    assert skinny_launch("plain", torch.device("cpu")) == "plain"
+    # The default: a dependent launch where the GPU can make one, plain elsewhere.
+    assert ServerArgs().skinny_matmul_launch == "auto"
+    ServerArgs(device="cpu").check()
+    assert skinny_launch("auto", torch.device("cpu")) == "plain"
 
 
 # ---- the runner ----
@@ -688,7 +690,9 @@ def test_runner_reports_and_logs_the_selection(
         caplog.at_level(logging.INFO, logger="srt.model_executor.runner_setup"),
         Engine(model_path=str(tiny_llama), device="cpu", custom_ops=["none", "+rms_norm"]) as eng,
     ):
-        info = eng.get_server_info()["runner"]["custom_ops"]
+        runner = eng.get_server_info()["runner"]
+        info = runner["custom_ops"]
+    assert runner["skinny_matmul_launch"] == "plain"  # auto, resolved on the CPU
     assert info["rms_norm"] == {
         "impl": "reference",
         "in_inductor_graph": "reference",

@@ -243,7 +243,7 @@ def bench(
                 "compile_passes": compile_info.get("passes") or None,
                 "pass_matches": compile_info.get("pass_matches"),
                 "custom_ops": args.custom_ops,
-                "skinny_matmul_launch": args.skinny_matmul_launch,
+                "skinny_matmul_launch": runner.skinny_launch,  # as resolved (auto: pdl or plain)
                 "load_s": round(runner.load_s, 3),
                 "startup_s": round(startup_s, 3),
                 "compile_s": compile_info.get("total_s"),

@@ -196,6 +196,7 @@ class RunnerInfo:
     graph_pool: GraphPoolInfo
     compile: CompileInfo  # the piecewise compile (zeros when no phase compiles)
     custom_ops: dict[str, OpImplInfo]
+    skinny_matmul_launch: str  # --skinny-matmul-launch as resolved here (auto: pdl or plain)
     graphs: dict[str, PhaseGraphsInfo]  # per phase
 
 

@@ -58,6 +58,7 @@ from srt.model_executor.runner_setup import (
     open_compile_cache,
     puts_norms_in_products,
     select_custom_ops,
+    skinny_launch,
 )
 from srt.model_executor.sampling import PendingResult, next_token_ids, step_result
 from srt.model_executor.step_inputs import upload_step
@@ -222,7 +223,8 @@ class ModelRunner:
         return float(f"{self.load_bytes / self.load_s / 1e9:.3g}")
 
     def _select_custom_ops(self) -> None:
-        self.custom_ops = select_custom_ops(self.model, self.args, self.device)
+        self.skinny_launch = skinny_launch(self.args.skinny_matmul_launch, self.device)
+        self.custom_ops = select_custom_ops(self.model, self.args, self.device, self.skinny_launch)
 
     def _allocate_kv(self) -> None:
         self.num_slots = kv_slots(self.args, self.device, self.graph_configs, self.rank_config)
@@ -534,5 +536,6 @@ class ModelRunner:
             if self.piecewise is not None
             else CompileInfo.none(split_ops()),
             custom_ops=custom_ops_info(self.custom_ops),
+            skinny_matmul_launch=self.skinny_launch,
             graphs={p.value: self.phase_runners[p.mode].info() for p in self.graph_configs},
         )
