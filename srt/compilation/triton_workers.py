@@ -46,7 +46,8 @@ def disk_cache_entries() -> int:
     holding Triton's group file (`__grp__NAME.json`, which lists its artifacts); the C modules
     Triton builds in the same cache (its driver's utilities, a launcher) have none, and do not
     count: r36's runner made the driver on a thread before it asked, and took the utilities'
-    directory for a warm start's kernels (no compile ahead: a 1B first start 6.9 -> 11.5 s).
+    directory for a warm start's kernels (no compile ahead: a 1B first start 6.9 -> 11.5 s);
+    a start that stopped after its first launch leaves the same.
     Where the variable names the directory (srt's processes set it: `point_tool_caches`),
     Triton is not imported for it: the runner asks while a thread may be importing Triton."""
     path = os.environ.get("TRITON_CACHE_DIR")

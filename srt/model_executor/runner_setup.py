@@ -73,8 +73,8 @@ def puts_norms_in_products(args: ServerArgs, device: torch.device, tp_size: int)
 
 def skinny_launch(launch: str, device: torch.device) -> str:
     """`--skinny-matmul-launch` resolved for `device`: `auto` is `pdl` on a CUDA GPU that can
-    launch a programmatic dependent (griddepcontrol is Hopper's; r40, an H100: 0.03-0.04 ms
-    off the 1B batch-1 step, 0.11 ms off the 8B one), `plain` elsewhere. ServerArgsError
+    launch a programmatic dependent (griddepcontrol is Hopper's; r40, an H100: 0.03-0.045
+    ms off the 1B batch-1 step, 0.11 ms off the 8B one), `plain` elsewhere. ServerArgsError
     where `pdl` is asked of a device that cannot."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     can = capability is not None and capability >= PDL_MIN_CAPABILITY
